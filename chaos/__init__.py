@@ -1,0 +1,1 @@
+"""kvps_chaos: fault injection and checks for kvps clusters."""

@@ -1,0 +1,1 @@
+"""kvps_client: the asyncio client (and blocking wrapper) for kvps."""

@@ -1,0 +1,237 @@
+"""Configuration: frozen dataclasses with commented defaults, validated with one message per field.
+
+Pure: no I/O except the explicit ``load_cluster`` / ``dump_cluster`` helpers that read and write a
+``cluster.toml`` given a path (called only from the wiring layer).
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvps.errors import ConfigError
+
+__all__ = [
+    "ClusterConfig",
+    "NodeConfig",
+    "RaftConfig",
+    "ServerConfig",
+    "dump_cluster",
+    "load_cluster",
+]
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class RaftConfig:
+    # Election timeout range (s). pysyncobj's defaults (0.4-1.4 s) gave ~0.5 s failover here; a
+    # narrower range keeps kill -> next commit well under a second without elections under load.
+    election_timeout_min: float = 0.4
+    election_timeout_max: float = 0.8
+    # Heartbeat / append period (s). Must be < election_timeout_min / 3 (pysyncobj asserts it).
+    heartbeat_period: float = 0.05
+    # A leader that has not heard from a majority for this long steps down. pysyncobj's default is
+    # 30 s, which lets a partitioned leader serve stale reads for 30 s: keep it near the election timeout.
+    leader_fallback_timeout: float = 0.8
+    # A peer connection with no traffic for this long is dropped (>= election_timeout_max).
+    connection_timeout: float = 2.0
+    # Reconnect attempts to a lost peer every this many seconds (pysyncobj's default is 5 s).
+    connection_retry: float = 0.2
+    # Largest command a leader proposes. appendEntriesBatchSizeBytes is set just above it, so
+    # pysyncobj never takes its chunked path (which truncates entries, see DESIGN).
+    max_command_bytes: int = 8 * MiB
+    # Largest peer frame accepted; checked on the frame header before anything is buffered.
+    max_frame_bytes: int = 64 * MiB
+    # Socket buffers for peer connections; 0 keeps the kernel's autotuning.
+    socket_buffer_bytes: int = 0
+    # Compact the log (our snapshot format) after this many applied bytes / entries.
+    compact_bytes: int = 256 * MiB
+    compact_entries: int = 20000
+    # Commands waiting in pysyncobj's queue before it answers QUEUE_FULL.
+    queue_size: int = 4096
+
+    def validate(self) -> "RaftConfig":
+        _positive(self, "election_timeout_min", "heartbeat_period", "leader_fallback_timeout",
+                  "connection_timeout", "max_command_bytes", "max_frame_bytes", "compact_bytes",
+                  "compact_entries", "queue_size")
+        if self.election_timeout_max <= self.election_timeout_min:
+            raise ConfigError("election_timeout_max must be greater than election_timeout_min",
+                              field="election_timeout_max")
+        if self.heartbeat_period * 3 >= self.election_timeout_min:
+            raise ConfigError("heartbeat_period must be less than election_timeout_min / 3",
+                              field="heartbeat_period")
+        if self.leader_fallback_timeout <= self.heartbeat_period:
+            raise ConfigError("leader_fallback_timeout must exceed heartbeat_period",
+                              field="leader_fallback_timeout")
+        if self.connection_timeout < self.election_timeout_max:
+            raise ConfigError("connection_timeout must be >= election_timeout_max",
+                              field="connection_timeout")
+        if self.connection_retry < 0:
+            raise ConfigError("connection_retry must be >= 0", field="connection_retry")
+        if self.max_frame_bytes < 2 * self.max_command_bytes + MiB:
+            raise ConfigError("max_frame_bytes must be >= 2 * max_command_bytes + 1 MiB (an append "
+                              "message may carry up to two batches)", field="max_frame_bytes")
+        if self.socket_buffer_bytes < 0:
+            raise ConfigError("socket_buffer_bytes must be >= 0", field="socket_buffer_bytes")
+        return self
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    # Data-plane request bodies above this are refused (413) before they are read.
+    max_request_bytes: int = 64 * MiB
+    # Decompressed size cap for a request frame (decompression bombs).
+    max_raw_bytes: int = 256 * MiB
+    # Leader batching: a merged command is proposed when it reaches this size, or as soon as a
+    # proposal slot is free (group commit: no added latency when idle).
+    batch_bytes: int = 8 * MiB
+    # Proposals in flight at once; more pushes wait and get merged.
+    max_inflight_proposals: int = 2
+    # Bytes of pushes accepted but not yet committed; beyond it pushes wait up to
+    # overload_wait seconds, then fail with Overloaded (retryable).
+    max_inflight_bytes: int = 256 * MiB
+    overload_wait: float = 2.0
+    # How long a new leader waits for its barrier, and a follower read for min_version.
+    barrier_wait: float = 2.0
+    # Applied-table sessions idle for longer than this are forgotten (leader-stamped time).
+    session_ttl: float = 3600.0
+    # Gradients with NaN/Inf: "reject" (InvalidRequest) or "skip" (drop the push, answer ok).
+    nonfinite: str = "reject"
+    # Debug switch for the chaos harness: disables the duplicate table (never in production).
+    unsafe_disable_dedup: bool = False
+
+    def validate(self) -> "ServerConfig":
+        _positive(self, "max_request_bytes", "max_raw_bytes", "batch_bytes",
+                  "max_inflight_proposals", "max_inflight_bytes", "overload_wait", "barrier_wait",
+                  "session_ttl")
+        if self.nonfinite not in ("reject", "skip"):
+            raise ConfigError("nonfinite must be 'reject' or 'skip'", field="nonfinite")
+        return self
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    id: int
+    host: str = "127.0.0.1"
+    # The node's admin HTTP port.
+    admin_port: int = 7100
+    # Replica of shard s on this node: raft port = port_base + 2*s, data port = port_base + 2*s + 1.
+    port_base: int = 7200
+    data_dir: str = ""
+
+    def raft_address(self, shard: int) -> str:
+        return f"{self.host}:{self.port_base + 2 * shard}"
+
+    def data_url(self, shard: int) -> str:
+        return f"http://{self.host}:{self.port_base + 2 * shard + 1}"
+
+    def data_port(self, shard: int) -> int:
+        return self.port_base + 2 * shard + 1
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{self.host}:{self.admin_port}"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    nodes: tuple[NodeConfig, ...]
+    shards: int = 8
+    replicas: int = 3
+    # Dense keys are split into blocks of at most this many bytes along dim 0.
+    block_bytes: int = 1 * MiB
+    # Files next to cluster.toml (relative paths are resolved against its directory).
+    secret_file: str = "secret"
+    token_file: str = "token"
+    raft: RaftConfig = field(default_factory=RaftConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def validate(self) -> "ClusterConfig":
+        if not self.nodes:
+            raise ConfigError("a cluster needs at least one node", field="nodes")
+        ids = [n.id for n in self.nodes]
+        if sorted(ids) != list(range(len(ids))):
+            raise ConfigError("node ids must be 0..n-1", field="nodes")
+        if self.shards < 1:
+            raise ConfigError("shards must be >= 1", field="shards")
+        if not 1 <= self.replicas <= len(self.nodes):
+            raise ConfigError("replicas must be between 1 and the number of nodes", field="replicas")
+        if self.block_bytes < 1024:
+            raise ConfigError("block_bytes must be >= 1024", field="block_bytes")
+        if self.block_bytes * 2 > self.raft.max_command_bytes:
+            raise ConfigError("block_bytes must be at most half of raft.max_command_bytes",
+                              field="block_bytes")
+        self.raft.validate()
+        self.server.validate()
+        return self
+
+    def node(self, node_id: int) -> NodeConfig:
+        return self.nodes[node_id]
+
+    def replica_nodes(self, shard: int) -> list[int]:
+        """Nodes hosting ``shard``; the first is the preferred leader."""
+        n = len(self.nodes)
+        return [(shard + j) % n for j in range(self.replicas)]
+
+    def shards_on(self, node_id: int) -> list[int]:
+        return [s for s in range(self.shards) if node_id in self.replica_nodes(s)]
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        if not getattr(obj, name) > 0:
+            raise ConfigError(f"{name} must be > 0", field=name)
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) in [{where}]: {', '.join(unknown)}", field=where)
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise ConfigError(f"bad [{where}]: {exc}", field=where) from exc
+
+
+def load_cluster(path: str | Path) -> ClusterConfig:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}", field="path") from exc
+    cluster = dict(data.get("cluster", {}))
+    nodes = tuple(_build(NodeConfig, dict(n), "nodes") for n in data.get("nodes", []))
+    raft = _build(RaftConfig, dict(data.get("raft", {})), "raft")
+    server = _build(ServerConfig, dict(data.get("server", {})), "server")
+    cfg = _build(ClusterConfig, {**cluster, "nodes": nodes, "raft": raft, "server": server}, "cluster")
+    return cfg.validate()
+
+
+def dump_cluster(cfg: ClusterConfig) -> str:
+    """TOML text for ``cfg`` (the subset of TOML we need: scalars, one array of tables)."""
+    lines = ["# kvps cluster configuration", "[cluster]"]
+    for f in dataclasses.fields(cfg):
+        if f.name not in ("nodes", "raft", "server"):
+            lines.append(f"{f.name} = {_toml_value(getattr(cfg, f.name))}")
+    for section in ("raft", "server"):
+        lines += ["", f"[{section}]"]
+        obj = getattr(cfg, section)
+        lines += [f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj)]
+    for node in cfg.nodes:
+        lines += ["", "[[nodes]]"]
+        lines += [f"{f.name} = {_toml_value(getattr(node, f.name))}" for f in dataclasses.fields(node)]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    raise TypeError(f"cannot write {value!r} as TOML")
