@@ -1,1 +1,68 @@
-"""kvps_client: the asyncio client (and blocking wrapper) for kvps."""
+"""kvps_client: the asyncio client (and a blocking wrapper) for kvps.
+
+    import kvps_client as kc
+    async with kc.Client(["http://127.0.0.1:7100"]) as ps:
+        await ps.create("w", np.zeros((4096, 1024), np.float32), optimizer=kc.SGD(lr=0.1))
+        await ps.push({"w": grad})
+        vals = await ps.pull(["w"])
+"""
+from kvps.errors import (
+    CodecError,
+    InvalidRequest,
+    KeyExists,
+    KeyNotFound,
+    KvpsError,
+    NoQuorum,
+    NotFound,
+    NotLeader,
+    Overloaded,
+    PushExpired,
+    RejectedError,
+    RetryableError,
+    ShapeMismatch,
+    Timeout,
+    Unauthorized,
+    Unavailable,
+    VersionConflict,
+)
+from kvps.initializer import Constant, Normal, Uniform, Zeros
+from kvps.optimizer import SGD, Adagrad, Adam, Add
+
+from ._client import Client, ClientStats, RetryPolicy
+from ._sync import SyncClient
+from ._transport import HttpTransport, MockTransport, Transport
+
+__all__ = [
+    "Adagrad",
+    "Adam",
+    "Add",
+    "Client",
+    "ClientStats",
+    "CodecError",
+    "Constant",
+    "HttpTransport",
+    "InvalidRequest",
+    "KeyExists",
+    "KeyNotFound",
+    "KvpsError",
+    "MockTransport",
+    "NoQuorum",
+    "Normal",
+    "NotFound",
+    "NotLeader",
+    "Overloaded",
+    "PushExpired",
+    "RejectedError",
+    "RetryPolicy",
+    "RetryableError",
+    "SGD",
+    "ShapeMismatch",
+    "SyncClient",
+    "Timeout",
+    "Transport",
+    "Unauthorized",
+    "Unavailable",
+    "Uniform",
+    "VersionConflict",
+    "Zeros",
+]

@@ -1,0 +1,484 @@
+"""The asyncio client.
+
+Lifecycle: the constructor does no I/O; ``async with`` (or ``open()``) fetches the cluster map;
+``aclose()`` closes; a closed client cannot be reopened. Requests are routed by shard to the
+leader (or any replica for follower reads), fanned out with ``asyncio.TaskGroup``, and retried on
+``RetryableError`` with jittered exponential back-off until the call's deadline. ``NotLeader``
+re-routes at once to the hinted leader.
+
+Exactly-once pushes: every push request to a shard carries ``(client_id, seq, floor)``; retries
+reuse the same bytes, so a push whose reply was lost is answered from the shard's applied table
+instead of being applied again. ``floor`` is the lowest seq this client may still retry.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvps.delta import frame
+from kvps.errors import (
+    InvalidRequest, KvpsError, NotLeader, RetryableError, ShapeMismatch, Timeout,
+    Unavailable, error_from_dict,
+)
+from kvps.initializer import Zeros, initializer_to_dict
+from kvps.optimizer import Add, optimizer_to_dict
+from kvps.placement import DenseLayout, block_shard, layout_for, row_shards
+
+from ._convert import to_numpy
+from ._routing import ClusterMap
+from ._transport import HttpTransport, Transport
+
+__all__ = ["Client", "ClientStats", "RetryPolicy"]
+
+DEFAULT_ENDPOINT = "http://127.0.0.1:7100"
+CONSISTENCIES = ("leader", "linearizable", "follower")
+
+
+@dataclass
+class ClientStats:
+    bytes_sent: int = 0       # request bodies on the wire (after compression)
+    bytes_received: int = 0   # response bodies on the wire
+    requests: int = 0
+    retries: int = 0
+    redirects: int = 0        # NotLeader hints followed
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    base: float = 0.02        # first back-off (s)
+    cap: float = 0.5          # longest back-off (s)
+    refresh_every: int = 4    # refetch the cluster map after this many failed attempts on a shard
+
+
+class Client:
+    def __init__(self, endpoints: Iterable[str] | str | None = None, token: str | None = None, *,
+                 timeout: float = 30.0, request_timeout: float = 10.0,
+                 consistency: str = "leader", codec: str = "none",
+                 client_id: str | None = None, transport: Transport | None = None,
+                 retry: RetryPolicy = RetryPolicy(), seed: int | None = None,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        if endpoints is None:
+            endpoints = os.environ.get("KVPS_ENDPOINT", DEFAULT_ENDPOINT)
+        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        self.token = token if token is not None else os.environ.get("KVPS_TOKEN", "")
+        if consistency not in CONSISTENCIES:
+            raise InvalidRequest(f"consistency must be one of {CONSISTENCIES}")
+        self.timeout = timeout
+        self.request_timeout = request_timeout
+        self.consistency = consistency
+        self.codec = codec
+        self.client_id = client_id or uuid.uuid4().hex
+        self.stats = ClientStats()
+        self._transport = transport or HttpTransport()
+        self._retry = retry
+        self._rng = random.Random(seed)
+        self._sleep = sleep
+        self._state = "unopened"
+        self._map: ClusterMap | None = None
+        self._infos: dict[str, dict] = {}
+        self._cache: dict[str, _DenseCache] = {}
+        self._seq = 0
+        self._waiting: set[int] = set()  # seqs that may still be retried (sets the floor)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> "Client":
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def open(self) -> None:
+        if self._state != "unopened":
+            raise InvalidRequest(f"client is {self._state}; create a new one")
+        self._state = "opened"
+        await self._transport.open()
+        try:
+            await self.refresh_map()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        await self._transport.close()
+
+    @property
+    def cluster_map(self) -> ClusterMap:
+        if self._map is None:
+            raise InvalidRequest("client is not open")
+        return self._map
+
+    async def refresh_map(self) -> ClusterMap:
+        """Fetch ``/v1/cluster`` from the first endpoint that answers."""
+        last: KvpsError | None = None
+        for endpoint in self.endpoints:
+            try:
+                status, body = await self._transport.request(
+                    "GET", endpoint.rstrip("/") + "/v1/cluster", None,
+                    headers=self._headers(), timeout=self.request_timeout)
+                if status == 200:
+                    self._map = ClusterMap.from_json(json.loads(body))
+                    return self._map
+                last = _error_from_response(status, body)
+            except (KvpsError, ValueError) as exc:
+                last = exc if isinstance(exc, KvpsError) else Unavailable(str(exc))
+        raise Unavailable(f"no endpoint answered with a cluster map: {last}")
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    # ---- the one request path ----------------------------------------------------------------
+
+    async def _call(self, shard: int, op: str, meta: dict, arrays=(), *,
+                    consistency: str = "leader") -> frame.Frame:
+        body = frame.encode(frame.KIND_REQUEST, {**meta, "accept_codec": self.codec}, arrays,
+                            codec=self.codec)
+        last: KvpsError | None = None
+        attempt = 0
+        try:
+            async with asyncio.timeout(self.timeout):
+                while True:
+                    url = self.cluster_map.target(shard, any_replica=consistency == "follower",
+                                                  attempt=attempt, rng=self._rng)
+                    try:
+                        return await self._post(url + "/v1/rpc/" + op, body)
+                    except NotLeader as exc:
+                        last = exc
+                        self.stats.redirects += 1
+                        self.cluster_map.set_leader(shard, exc.fields.get("leader_hint"))
+                        if exc.fields.get("leader_hint") and attempt < 2:
+                            attempt += 1
+                            continue  # re-route at once
+                    except RetryableError as exc:
+                        last = exc
+                        self.cluster_map.set_leader(shard, None)
+                    attempt += 1
+                    self.stats.retries += 1
+                    if attempt % self._retry.refresh_every == 0:
+                        await self._try_refresh()
+                    await self._sleep(self._backoff(attempt))
+        except TimeoutError:
+            raise Timeout(f"{op} on shard {shard} did not succeed within {self.timeout}s; "
+                          f"last error: {last}", shard=shard, op=op) from None
+
+    async def _post(self, url: str, body: bytes) -> frame.Frame:
+        self.stats.requests += 1
+        self.stats.bytes_sent += len(body)
+        status, data = await self._transport.request(
+            "POST", url, body, headers={**self._headers(), "Content-Type": "application/x-kvps-frame"},
+            timeout=self.request_timeout)
+        self.stats.bytes_received += len(data)
+        if status != 200:
+            raise _error_from_response(status, data)
+        return frame.decode(data, max_raw_bytes=1 << 62, kinds=(frame.KIND_RESPONSE,))
+
+    def _backoff(self, attempt: int) -> float:
+        ceiling = min(self._retry.cap, self._retry.base * (2 ** min(attempt, 10)))
+        return self._rng.uniform(ceiling / 2, ceiling)  # jitter: retries from many workers spread out
+
+    async def _try_refresh(self) -> None:
+        try:
+            await self.refresh_map()
+        except KvpsError:
+            pass  # keep routing with the map we have
+
+    async def _fan_out(self, calls: list[Awaitable[Any]]) -> list[Any]:
+        if len(calls) == 1:
+            return [await calls[0]]
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(c) for c in calls]
+        except* KvpsError as group:
+            # One shard's definitive answer is the caller's answer: raise it as itself, preferring
+            # a rejection (nothing to retry) over a retryable error.
+            errors = _leaves(group)
+            raise next((e for e in errors if not isinstance(e, RetryableError)), errors[0]) from None
+        return [t.result() for t in tasks]
+
+    def _consistency(self, consistency: str | None) -> str:
+        c = consistency or self.consistency
+        if c not in CONSISTENCIES:
+            raise InvalidRequest(f"consistency must be one of {CONSISTENCIES}")
+        return c
+
+    # ---- keys --------------------------------------------------------------------------------
+
+    async def create(self, key: str, value: Any, *, optimizer: Any = None, merge: str = "sum",
+                     block_bytes: int | None = None) -> None:
+        """Create dense ``key`` with an initial value. Creating it again with the same definition
+        is a no-op (the stored value is kept); a different definition raises ``KeyExists``."""
+        arr = np.ascontiguousarray(to_numpy(value, name=key))
+        layout = layout_for(arr.shape, arr.dtype.name, block_bytes or self.cluster_map.block_bytes)
+        definition = {"key": key, "shape": list(arr.shape), "dtype": arr.dtype.name,
+                      "block_rows": layout.block_rows, "merge": merge,
+                      "optimizer": optimizer_to_dict(optimizer or Add())}
+        per_shard = self._split_blocks(key, layout, arr)
+        calls = []
+        for shard, blocks in per_shard.items():
+            for chunk in _chunks(blocks, self.cluster_map.max_push_bytes, lambda b: b[1].nbytes):
+                meta = {**definition, "blocks": [{"block": b, "array": i} for i, (b, _) in enumerate(chunk)]}
+                calls.append(self._call(shard, "create_key", meta, [v for _, v in chunk]))
+        await self._fan_out(calls)
+        self._infos.pop(key, None)
+        self._cache.pop(key, None)
+
+    async def create_table(self, key: str, dim: int, *, dtype: str = "float32", optimizer: Any = None,
+                           init: Any = None, merge: str = "sum") -> None:
+        """Create an embedding table; rows are created on first push (untouched rows read as
+        ``init``'s value, a pure function of (seed, row id))."""
+        meta = {"key": key, "dim": int(dim), "dtype": np.dtype(dtype).name, "merge": merge,
+                "optimizer": optimizer_to_dict(optimizer or Add()),
+                "init": initializer_to_dict(init or Zeros())}
+        await self._fan_out([self._call(s, "create_table", meta) for s in range(self.cluster_map.shards)])
+        self._infos.pop(key, None)
+
+    async def delete(self, key: str) -> None:
+        await self._fan_out([self._call(s, "delete_key", {"key": key})
+                             for s in range(self.cluster_map.shards)])
+        self._infos.pop(key, None)
+        self._cache.pop(key, None)
+
+    async def describe(self, key: str, *, refresh: bool = False) -> dict:
+        if refresh or key not in self._infos:
+            resp = await self._call(block_shard(key, 0, self.cluster_map.shards), "describe", {"key": key})
+            self._infos[key] = resp.meta["info"]
+        return self._infos[key]
+
+    async def keys(self) -> list[dict]:
+        resps = await self._fan_out([self._call(s, "keys", {}) for s in range(self.cluster_map.shards)])
+        merged: dict[str, dict] = {}
+        for resp in resps:
+            for info in resp.meta["keys"]:
+                have = merged.setdefault(info["key"], dict(info))
+                if info.get("kind") == "dense" and have is not info:
+                    have["blocks"] = sorted(set(have.get("blocks", [])) | set(info.get("blocks", [])))
+                elif info.get("kind") == "table":
+                    have["rows"] = have.get("rows", 0) + (info.get("rows", 0) if have is not info else 0)
+        return [merged[k] for k in sorted(merged)]
+
+    async def _layout(self, key: str) -> tuple[dict, DenseLayout]:
+        info = await self.describe(key)
+        if info["kind"] != "dense":
+            raise InvalidRequest(f"{key!r} is an embedding table: use pull_rows / push_rows", key=key)
+        return info, DenseLayout(tuple(info["shape"]), info["dtype"], info["block_rows"])
+
+    def _split_blocks(self, key: str, layout: DenseLayout, arr: np.ndarray) -> dict[int, list]:
+        per_shard: dict[int, list] = {}
+        for b in range(layout.n_blocks):
+            part = arr if arr.ndim == 0 else arr[layout.block_slice(b)]
+            per_shard.setdefault(block_shard(key, b, self.cluster_map.shards), []).append((b, part))
+        return per_shard
+
+    # ---- dense push / pull -------------------------------------------------------------------
+
+    async def push(self, grads: Mapping[str, Any]) -> dict[str, int]:
+        """Push gradients; returns {key: version after this push}. Exactly-once across retries."""
+        per_shard: dict[int, list] = {}
+        for key, value in grads.items():
+            arr = to_numpy(value, name=key)
+            info, layout = await self._layout(key)
+            _check_shape(key, arr, tuple(info["shape"]), info["dtype"])
+            for shard, blocks in self._split_blocks(key, layout, arr).items():
+                per_shard.setdefault(shard, []).extend((key, b, part) for b, part in blocks)
+        requests = []
+        for shard, items in per_shard.items():
+            for chunk in _chunks(items, self.cluster_map.max_push_bytes, lambda it: it[2].nbytes):
+                meta = {"dense": [{"key": k, "block": b, "array": i} for i, (k, b, _) in enumerate(chunk)]}
+                requests.append((shard, meta, [a for _, _, a in chunk]))
+        return await self._push_requests(requests)
+
+    async def _push_requests(self, requests: list[tuple[int, dict, list]]) -> dict[str, int]:
+        seqs = [self._next_seq() for _ in requests]
+        self._waiting.update(seqs)
+        floor = min(self._waiting)
+        try:
+            resps = await self._fan_out([
+                self._call(shard, "push", {**meta, "client": self.client_id, "seq": seq, "floor": floor},
+                           arrays)
+                for (shard, meta, arrays), seq in zip(requests, seqs)])
+        finally:
+            self._waiting.difference_update(seqs)
+        versions: dict[str, int] = {}
+        for resp in resps:
+            for key, v in resp.meta["versions"].items():
+                versions[key] = max(v, versions.get(key, v))
+        return versions
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    async def pull(self, keys: Iterable[str] | str, *, consistency: str | None = None,
+                   min_version: int | Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+        """Current values of ``keys``. Only blocks whose version changed since this client last
+        pulled them cross the wire. ``consistency="follower"`` with ``min_version`` reads from any
+        replica that has applied at least that version."""
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        consistency = self._consistency(consistency)
+        per_shard: dict[int, list] = {}
+        layouts = {}
+        for key in keys:
+            info, layout = await self._layout(key)
+            layouts[key] = layout
+            cache = self._cache.setdefault(key, _DenseCache(layout))
+            mv = min_version.get(key, 0) if isinstance(min_version, Mapping) else (min_version or 0)
+            by_shard: dict[int, list[int]] = {}
+            for b in range(layout.n_blocks):
+                by_shard.setdefault(block_shard(key, b, self.cluster_map.shards), []).append(b)
+            for shard, blocks in by_shard.items():
+                per_shard.setdefault(shard, []).append(
+                    {"key": key, "blocks": blocks, "have": [cache.versions[b] for b in blocks],
+                     "min_version": int(mv)})
+        resps = await self._fan_out([
+            self._call(shard, "pull", {"dense": items, "consistency": consistency},
+                       consistency=consistency)
+            for shard, items in per_shard.items()])
+        for resp in resps:
+            for entry in resp.meta["blocks"]:
+                cache = self._cache[entry["key"]]
+                if entry["array"] is not None:
+                    cache.blocks[entry["block"]] = resp.arrays[entry["array"]]
+                cache.versions[entry["block"]] = entry["version"]
+        return {key: self._cache[key].assemble() for key in keys}
+
+    async def get(self, key: str, *, consistency: str | None = None) -> tuple[np.ndarray, int]:
+        """(value, version): the version is the highest block version of ``key``."""
+        value = (await self.pull([key], consistency=consistency))[key]
+        return value, max(self._cache[key].versions)
+
+    async def set(self, key: str, value: Any, *, expected_version: int | None = None) -> int:
+        """Overwrite ``key``. With ``expected_version``, each block is only written if it is at that
+        version (compare-and-set; atomic per block, so use single-block keys for registers)."""
+        arr = np.ascontiguousarray(to_numpy(value, name=key))
+        info, layout = await self._layout(key)
+        _check_shape(key, arr, tuple(info["shape"]), info["dtype"])
+        requests = []
+        for shard, blocks in self._split_blocks(key, layout, arr).items():
+            for chunk in _chunks(blocks, self.cluster_map.max_push_bytes, lambda b: b[1].nbytes):
+                requests.append((shard, chunk))
+        seqs = [self._next_seq() for _ in requests]
+        self._waiting.update(seqs)
+        floor = min(self._waiting)
+        try:
+            resps = await self._fan_out([
+                self._call(shard, "set", {"key": key, "client": self.client_id, "seq": seq,
+                                          "floor": floor, "expected_version": expected_version,
+                                          "blocks": [{"block": b, "array": i}
+                                                     for i, (b, _) in enumerate(chunk)]},
+                           [v for _, v in chunk])
+                for (shard, chunk), seq in zip(requests, seqs)])
+        finally:
+            self._waiting.difference_update(seqs)
+        return max(resp.meta["versions"].get(key, 0) for resp in resps)
+
+    # ---- embedding rows ----------------------------------------------------------------------
+
+    async def pull_rows(self, key: str, ids: Any, *, consistency: str | None = None) -> np.ndarray:
+        """Rows ``ids`` of table ``key`` as an array (len(ids), dim); duplicate ids fetched once."""
+        info = await self.describe(key)
+        if info["kind"] != "table":
+            raise InvalidRequest(f"{key!r} is a dense key: use pull", key=key)
+        ids = np.asarray(to_numpy(ids, name="ids"), dtype=np.int64).ravel()
+        unique, inverse = np.unique(ids, return_inverse=True)
+        shards = row_shards(key, unique, self.cluster_map.shards)
+        consistency = self._consistency(consistency)
+        groups = [(int(s), np.flatnonzero(shards == s)) for s in np.unique(shards)]
+        resps = await self._fan_out([
+            self._call(s, "pull_rows", {"key": key, "ids": 0, "consistency": consistency},
+                       [unique[idx]], consistency=consistency)
+            for s, idx in groups])
+        out = np.empty((len(unique), info["dim"]), dtype=np.dtype(info["dtype"]))  # (unique, dim)
+        for (_, idx), resp in zip(groups, resps):
+            out[idx] = resp.arrays[resp.meta["rows"]]
+        return out[inverse]
+
+    async def push_rows(self, key: str, ids: Any, grads: Any) -> int:
+        """Push row gradients; duplicate ids are summed first. Returns the highest row version."""
+        info = await self.describe(key)
+        if info["kind"] != "table":
+            raise InvalidRequest(f"{key!r} is a dense key: use push", key=key)
+        ids = np.asarray(to_numpy(ids, name="ids"), dtype=np.int64).ravel()
+        grads = to_numpy(grads, name=key)
+        _check_shape(key, grads, (len(ids), info["dim"]), info["dtype"])
+        unique, inverse = np.unique(ids, return_inverse=True)
+        summed = np.zeros((len(unique), info["dim"]), dtype=grads.dtype)  # (unique, dim)
+        np.add.at(summed, inverse, grads)
+        shards = row_shards(key, unique, self.cluster_map.shards)
+        row_bytes = max(1, summed.itemsize * info["dim"] + 8)
+        per_request = max(1, self.cluster_map.max_push_bytes // row_bytes)
+        requests = []
+        for s in np.unique(shards):
+            idx = np.flatnonzero(shards == s)
+            for start in range(0, len(idx), per_request):
+                part = idx[start:start + per_request]
+                requests.append((int(s), {"rows": [{"key": key, "ids": 0, "grads": 1}]},
+                                 [unique[part], summed[part]]))
+        if not requests:
+            return 0
+        return (await self._push_requests(requests)).get(key, 0)
+
+
+class _DenseCache:
+    """The blocks of one dense key this client holds, with their versions (for incremental pulls)."""
+
+    def __init__(self, layout: DenseLayout) -> None:
+        self.layout = layout
+        self.blocks: list[np.ndarray | None] = [None] * layout.n_blocks
+        self.versions: list[int | None] = [None] * layout.n_blocks
+
+    def assemble(self) -> np.ndarray:
+        out = np.empty(self.layout.shape, dtype=np.dtype(self.layout.dtype))
+        if out.ndim == 0:
+            out[()] = self.blocks[0]
+            return out
+        for b, block in enumerate(self.blocks):
+            out[self.layout.block_slice(b)] = block
+        return out
+
+
+def _check_shape(key: str, arr: np.ndarray, shape: tuple, dtype: str) -> None:
+    if tuple(arr.shape) != tuple(shape) or arr.dtype != np.dtype(dtype):
+        raise ShapeMismatch(f"{key!r} expects {tuple(shape)} {dtype}, got {tuple(arr.shape)} {arr.dtype}",
+                            key=key, expected=[list(shape), dtype], actual=[list(arr.shape), arr.dtype.name])
+
+
+def _chunks(items: list, limit: int, size: Callable[[Any], int]) -> list[list]:
+    """Split ``items`` into consecutive chunks of at most ``limit`` bytes (at least one item each)."""
+    chunks: list[list] = [[]]
+    total = 0
+    for item in items:
+        n = size(item)
+        if chunks[-1] and total + n > limit:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(item)
+        total += n
+    return [c for c in chunks if c]
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+def _error_from_response(status: int, body: bytes) -> KvpsError:
+    try:
+        return error_from_dict(json.loads(body))
+    except ValueError:
+        if status in (502, 503, 504):
+            return Unavailable(f"HTTP {status}")
+        return Unavailable(f"HTTP {status}: {body[:200]!r}")

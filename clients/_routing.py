@@ -1,0 +1,45 @@
+"""The client's view of the cluster: which replicas hold each shard and which one leads."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvps.errors import Unavailable
+
+__all__ = ["ClusterMap"]
+
+
+@dataclass
+class ClusterMap:
+    shards: int
+    block_bytes: int
+    max_push_bytes: int
+    replicas: list[list[str]]                 # shard -> data URLs of its replicas
+    leaders: list[str | None] = field(default_factory=list)  # shard -> believed leader URL
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "ClusterMap":
+        try:
+            info = data["cluster"]
+            shards = sorted(data["shards"], key=lambda s: s["id"])
+            return cls(
+                shards=int(info["shards"]), block_bytes=int(info["block_bytes"]),
+                max_push_bytes=int(info["max_push_bytes"]),
+                replicas=[[r["data_url"] for r in s["replicas"]] for s in shards],
+                leaders=[s.get("leader_url") for s in shards])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise Unavailable(f"malformed cluster map: {exc}") from exc
+
+    def target(self, shard: int, *, any_replica: bool, attempt: int, rng: random.Random) -> str:
+        """The URL to try next: the believed leader, else the replicas in turn."""
+        replicas = self.replicas[shard]
+        if any_replica:
+            return replicas[(rng.randrange(len(replicas)) + attempt) % len(replicas)]
+        leader = self.leaders[shard]
+        if leader is not None:
+            return leader
+        return replicas[attempt % len(replicas)]
+
+    def set_leader(self, shard: int, url: str | None) -> None:
+        self.leaders[shard] = url

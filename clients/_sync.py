@@ -1,0 +1,72 @@
+"""``SyncClient``: the same calls as ``Client``, blocking, for ordinary synchronous training loops.
+
+It runs a private event loop in a daemon thread and submits each call to it, so it works from
+any thread (including inside a program that has its own event loop elsewhere).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+from ._client import Client
+
+__all__ = ["SyncClient"]
+
+
+class SyncClient:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._client = Client(*args, **kwargs)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvps-client", daemon=True)
+        self._started = False
+
+    def _run(self, coro: Coroutine) -> Any:
+        if not self._started:
+            coro.close()
+            raise RuntimeError("SyncClient is not open: use `with SyncClient(...)` or .open()")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def open(self) -> "SyncClient":
+        self._thread.start()
+        self._started = True
+        self._run(self._client.open())
+        return self
+
+    def close(self) -> None:
+        if not self._started:
+            return
+        try:
+            self._run(self._client.aclose())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+            self._started = False
+
+    def __enter__(self) -> "SyncClient":
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def stats(self):
+        return self._client.stats
+
+    @property
+    def client_id(self) -> str:
+        return self._client.client_id
+
+    def create(self, key, value, **kw): return self._run(self._client.create(key, value, **kw))
+    def create_table(self, key, dim, **kw): return self._run(self._client.create_table(key, dim, **kw))
+    def delete(self, key): return self._run(self._client.delete(key))
+    def describe(self, key, **kw): return self._run(self._client.describe(key, **kw))
+    def keys(self): return self._run(self._client.keys())
+    def push(self, grads): return self._run(self._client.push(grads))
+    def pull(self, keys, **kw): return self._run(self._client.pull(keys, **kw))
+    def get(self, key, **kw): return self._run(self._client.get(key, **kw))
+    def set(self, key, value, **kw): return self._run(self._client.set(key, value, **kw))
+    def pull_rows(self, key, ids, **kw): return self._run(self._client.pull_rows(key, ids, **kw))
+    def push_rows(self, key, ids, grads): return self._run(self._client.push_rows(key, ids, grads))

@@ -1,0 +1,162 @@
+"""The leader's push batcher: group commit with merging and back-pressure.
+
+Pushes that arrive while earlier proposals are in flight wait in ``pending``; as soon as a proposal
+slot frees up, everything pending (up to ``batch_bytes``) is merged into one ``Push`` command
+(``kvps.merge``) and proposed. When the leader is idle a push is proposed at once, so batching adds
+no latency; under load the window is exactly one commit round trip, bounded in bytes.
+
+A retried push whose id is already pending or in flight is attached to the same future instead of
+being merged twice. Accepted-but-uncommitted bytes are bounded by ``max_inflight_bytes``: beyond it a
+push waits up to ``overload_wait`` and then fails with ``Overloaded`` (retryable).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvps.config import ServerConfig
+from kvps.errors import KvpsError, Overloaded, Unavailable
+from kvps.merge import PushRequest, merge, request_bytes
+
+__all__ = ["PushBatcher"]
+
+log = logging.getLogger("kvps.batcher")
+
+PushKey = tuple[str, int]
+
+
+class PushBatcher:
+    def __init__(
+        self,
+        propose: Callable[[bytes], Awaitable[Any]],
+        merge_mode: Callable[[str], str],
+        cfg: ServerConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+        on_batch: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self._propose = propose
+        self._merge_mode = merge_mode
+        self._cfg = cfg
+        self._clock = clock
+        self._on_batch = on_batch  # (pushes merged, bytes) -> None, for metrics
+        self._pending: list[tuple[PushRequest, int]] = []
+        self._pending_bytes = 0
+        self._futures: dict[PushKey, asyncio.Future] = {}
+        self._accepted_bytes = 0  # pending + in flight
+        self._inflight = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._space = asyncio.Condition()
+
+    @property
+    def accepted_bytes(self) -> int:
+        return self._accepted_bytes
+
+    async def submit(self, req: PushRequest) -> Any:
+        """Queue ``req`` and wait for its result (a dict, or raises a KvpsError)."""
+        key = (req.client, req.seq)
+        fut = self._futures.get(key)
+        if fut is None:
+            size = request_bytes(req)
+            await self._reserve(size)
+            fut = asyncio.get_running_loop().create_future()
+            self._futures[key] = fut
+            self._pending.append((req, size))
+            self._pending_bytes += size
+            self._kick()
+        # shield: a client that disconnects must not cancel a push that other pushes share.
+        return await asyncio.shield(fut)
+
+    async def _reserve(self, size: int) -> None:
+        limit = self._cfg.max_inflight_bytes
+        if self._accepted_bytes + size <= limit or self._accepted_bytes == 0:
+            self._accepted_bytes += size
+            return
+        try:
+            async with asyncio.timeout(self._cfg.overload_wait):
+                async with self._space:
+                    await self._space.wait_for(
+                        lambda: self._accepted_bytes + size <= limit or self._accepted_bytes == 0)
+        except TimeoutError:
+            raise Overloaded("leader has too many bytes in flight", in_flight=self._accepted_bytes,
+                             limit=limit) from None
+        self._accepted_bytes += size
+
+    def _kick(self) -> None:
+        while self._pending and self._inflight < self._cfg.max_inflight_proposals:
+            batch = self._take_batch()
+            self._inflight += 1
+            task = asyncio.get_running_loop().create_task(self._run(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _take_batch(self) -> list[tuple[PushRequest, int]]:
+        batch, size = [], 0
+        while self._pending:
+            req, n = self._pending[0]
+            if batch and size + n > self._cfg.batch_bytes:
+                break
+            batch.append(self._pending.pop(0))
+            size += n
+        self._pending_bytes -= size
+        return batch
+
+    async def _run(self, batch: list[tuple[PushRequest, int]]) -> None:
+        reqs = [req for req, _ in batch]
+        try:
+            outcome = await self._propose_merged(reqs)
+            for req in reqs:
+                self._settle(req, outcome(req))
+        finally:
+            self._inflight -= 1
+            self._accepted_bytes -= sum(n for _, n in batch)
+            async with self._space:
+                self._space.notify_all()
+            self._kick()
+
+    async def _propose_merged(self, reqs: list[PushRequest]) -> Callable[[PushRequest], Any]:
+        try:
+            modes = {key: self._merge_mode(key) for req in reqs for key in _keys(req)}
+            cmd = merge(reqs, modes, now=self._clock())
+            data = cmd.to_bytes()
+            if self._on_batch is not None:
+                self._on_batch(len(reqs), len(data))
+            result = await self._propose(data)
+        except KvpsError as exc:
+            failure: KvpsError = exc
+            return lambda req: failure
+        except Exception as exc:  # a bug in merging must fail these pushes, not the server
+            log.exception("merging %d pushes failed", len(reqs))
+            failure = Unavailable(f"merge failed: {exc}")
+            return lambda req: failure
+        if isinstance(result, KvpsError):
+            return lambda req: result
+        results = result.get("results", {})
+        missing = Unavailable("push missing from the applied entry")
+        return lambda req: results.get((req.client, req.seq), missing)
+
+    def _settle(self, req: PushRequest, value: Any) -> None:
+        fut = self._futures.pop((req.client, req.seq), None)
+        if fut is None or fut.done():
+            return
+        if isinstance(value, BaseException):
+            fut.set_exception(value)
+            fut.exception()  # mark retrieved: nobody may be waiting any more
+        else:
+            fut.set_result(value)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        err = Unavailable("replica shutting down")
+        for req, _ in self._pending:
+            self._settle(req, err)
+        self._pending.clear()
+
+
+def _keys(req: PushRequest) -> set[str]:
+    return {key for key, _, _ in req.dense} | {key for key, _, _ in req.rows}

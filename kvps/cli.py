@@ -1,0 +1,205 @@
+"""The ``kvps`` command line: the composition root (the only place that reads argv and env).
+
+    kvps up [--nodes 3] [--shards 8] [--replicas 3] [--port 7100] [--data-dir DIR]
+    kvps node --config cluster.toml --id ID
+    kvps status [--endpoint URL] [--json]
+    kvps demo [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from kvps.config import load_cluster
+from kvps.errors import KvpsError
+
+DEFAULT_ENDPOINT = "http://127.0.0.1:7100"
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+
+
+def _read_tokens(path: Path) -> list[str]:
+    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+# ---- kvps replica (started by a node) ---------------------------------------------------------
+
+async def _run_replica(config: Path, node_id: int, shard: int) -> None:
+    from aiohttp import web
+
+    from kvps.dataplane import make_app
+    from kvps.replica import Replica
+
+    cfg = load_cluster(config)
+    base = config.parent
+    node = cfg.node(node_id)
+    secret = (base / cfg.secret_file).read_bytes().strip()
+    tokens = _read_tokens(base / cfg.token_file)
+    replica = Replica(cfg, node_id, shard, secret=secret, data_dir=base / node.data_dir)
+    stop = _stop_event()
+    await replica.start()
+    runner = web.AppRunner(make_app(replica, tokens), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, node.host, node.data_port(shard), reuse_address=True).start()
+    logging.getLogger("kvps.replica").info("shard %d replica on node %d serving %s", shard, node_id,
+                                           node.data_url(shard))
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await replica.stop()
+
+
+# ---- kvps node ---------------------------------------------------------------------------------
+
+async def _run_node(config: Path, node_id: int) -> None:
+    from kvps.node import Node
+
+    cfg = load_cluster(config)
+    base = config.parent
+    token = _read_tokens(base / cfg.token_file)[0]
+    node = Node(cfg, node_id, config, base / cfg.node(node_id).data_dir, token)
+    await node.run(_stop_event())
+
+
+# ---- kvps up -----------------------------------------------------------------------------------
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from kvps.local import LocalCluster, wait_until
+
+    cluster = LocalCluster(args.data_dir, nodes=args.nodes, shards=args.shards,
+                           replicas=args.replicas, port=args.port)
+    stop = {"now": False}
+
+    def on_signal(signum, frame):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        cluster.start(wait=False)
+        print(cluster.describe(), flush=True)
+        wait_until(lambda: stop["now"] or cluster.ready(), 120, "the cluster to become ready", 0.1)
+        if not stop["now"]:
+            print(f"ready. export KVPS_TOKEN=$(cat {cluster.data_dir / 'token'})  "
+                  f"KVPS_ENDPOINT={cluster.endpoints[0]}", flush=True)
+        while not stop["now"]:
+            dead = [n for n, p in cluster.procs.items() if p.poll() is not None]
+            for n in dead:  # a node supervisor that died is restarted, like a host coming back
+                print(f"node {n} exited; restarting it", file=sys.stderr, flush=True)
+                cluster.start_node(n)
+            time.sleep(0.2)
+    finally:
+        print("stopping the cluster ...", flush=True)
+        cluster.stop()
+    return 0
+
+
+# ---- kvps status -------------------------------------------------------------------------------
+
+def _get_json(url: str, timeout: float = 3.0) -> dict:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except (OSError, urllib.error.URLError, ValueError) as exc:
+        raise KvpsError(f"cannot reach {url}: {exc}") from exc
+
+
+def format_status(cmap: dict) -> str:
+    lines = [f"{'shard':>5}  {'leader':>6}  {'term':>5}  {'replicas (node:role commit/applied)'}"]
+    for shard in cmap["shards"]:
+        reps = "  ".join(
+            f"{r['node']}:{r.get('role', '?')[:1].upper()} {r.get('commit_index') or '-'}/"
+            f"{r.get('applied_index') or '-'}" for r in shard["replicas"])
+        leader = "-" if shard["leader"] is None else str(shard["leader"])
+        lines.append(f"{shard['id']:>5}  {leader:>6}  {shard['term'] or 0:>5}  {reps}")
+    nodes = ", ".join(f"{n['id']}:{'up' if n['reachable'] else 'DOWN'}" for n in cmap["nodes"])
+    healthy = all(s["leader"] is not None for s in cmap["shards"])
+    lines.append(f"nodes: {nodes}    health: {'ok' if healthy else 'DEGRADED (shards without leader)'}")
+    return "\n".join(lines)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    cmap = _get_json(args.endpoint.rstrip("/") + "/v1/cluster")
+    print(json.dumps(cmap, indent=2) if args.json else format_status(cmap))
+    return 0
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvps", description="kvps: a fault-tolerant parameter server")
+    p.add_argument("--log-level", default=os.environ.get("KVPS_LOG_LEVEL", "info"))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run a local cluster in the foreground")
+    up.add_argument("--nodes", type=int, default=3)
+    up.add_argument("--shards", type=int, default=8)
+    up.add_argument("--replicas", type=int, default=3)
+    up.add_argument("--port", type=int, default=7100)
+    up.add_argument("--data-dir", default="./kvps-data")
+
+    node = sub.add_parser("node", help="run one node of a cluster")
+    node.add_argument("--config", required=True)
+    node.add_argument("--id", type=int, required=True)
+
+    rep = sub.add_parser("replica", help=argparse.SUPPRESS)
+    rep.add_argument("--config", required=True)
+    rep.add_argument("--node", type=int, required=True)
+    rep.add_argument("--shard", type=int, required=True)
+
+    st = sub.add_parser("status", help="shards, leaders, terms, health")
+    st.add_argument("--endpoint", default=os.environ.get("KVPS_ENDPOINT", DEFAULT_ENDPOINT))
+    st.add_argument("--json", action="store_true")
+
+    demo = sub.add_parser("demo", help="train on a local cluster while leaders are killed")
+    demo.add_argument("--out", default="demo-out")
+    demo.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        if args.command == "replica":
+            asyncio.run(_run_replica(Path(args.config).resolve(), args.node, args.shard))
+        elif args.command == "node":
+            asyncio.run(_run_node(Path(args.config).resolve(), args.id))
+        elif args.command == "up":
+            return _cmd_up(args)
+        elif args.command == "status":
+            return _cmd_status(args)
+        elif args.command == "demo":
+            from kvps.demo import main as demo_main
+            return demo_main(out=Path(args.out), seed=args.seed)
+    except KvpsError as exc:
+        print(f"kvps {args.command}: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

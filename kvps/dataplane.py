@@ -1,0 +1,258 @@
+"""The replica's data endpoint (aiohttp): frames in, frames out, typed errors as JSON.
+
+``POST /v1/rpc/{op}`` with a request frame; the reply is a response frame (200) or
+``{"error": ClassName, "message", "fields"}`` with the error class's HTTP status. Every call needs
+``Authorization: Bearer <token>``. Foreign exceptions are converted to kvps errors here, at one
+boundary; nothing that arrives here is ever unpickled.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from kvps.command import CreateKey, CreateTable, DeleteKey, Set
+from kvps.delta import frame
+from kvps.errors import InvalidRequest, KvpsError, Unauthorized
+from kvps.merge import PushRequest
+from kvps.replica import Replica
+
+__all__ = ["make_app", "check_token"]
+
+log = logging.getLogger("kvps.dataplane")
+
+Handler = Callable[[Replica, frame.Frame], Awaitable[tuple[dict, Sequence[np.ndarray]]]]
+
+
+def check_token(request: web.Request, tokens: Sequence[str]) -> None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise Unauthorized("missing bearer token")
+    # Compare against every accepted token (rotation keeps two valid for a while).
+    ok = False
+    for token in tokens:
+        ok |= hmac.compare_digest(given.encode(), token.encode())
+    if not ok:
+        raise Unauthorized("invalid token")
+
+
+def error_response(exc: KvpsError) -> web.Response:
+    return web.json_response(exc.to_dict(), status=exc.http_status)
+
+
+def make_app(replica: Replica, tokens: Sequence[str]) -> web.Application:
+    cfg = replica.cfg.server
+    app = web.Application(client_max_size=cfg.max_request_bytes)
+
+    async def rpc(request: web.Request) -> web.StreamResponse:
+        op = request.match_info["op"]
+        try:
+            check_token(request, tokens)
+            handler = HANDLERS.get(op)
+            if handler is None:
+                raise InvalidRequest(f"unknown operation {op!r}", op=op)
+            body = await _read_body(request, cfg.max_request_bytes)
+            req = frame.decode(body, max_raw_bytes=cfg.max_raw_bytes, kinds=(frame.KIND_REQUEST,))
+            meta, arrays = await handler(replica, req)
+            codec = req.meta.get("accept_codec", "none")
+            if codec not in ("none", "lz4", "shuffle-lz4", "auto"):
+                codec = "none"
+            parts = frame.encode_parts(frame.KIND_RESPONSE, meta, arrays, codec=codec)
+        except KvpsError as exc:
+            if not isinstance(exc, (Unauthorized,)) and exc.http_status < 500 and exc.http_status != 421:
+                log.info("shard %d %s rejected: %s", replica.shard, op, exc)
+            return error_response(exc)
+        return await _send_parts(request, parts)
+
+    async def status(request: web.Request) -> web.Response:
+        try:
+            check_token(request, tokens)
+        except KvpsError as exc:
+            return error_response(exc)
+        return web.json_response(replica.status())
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    app.router.add_post("/v1/rpc/{op}", rpc)
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/healthz", healthz)
+    return app
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise InvalidRequest("request body too large", limit=limit, size=request.content_length)
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise InvalidRequest("request body too large", limit=limit) from exc
+
+
+async def _send_parts(request: web.Request, parts: list) -> web.StreamResponse:
+    resp = web.StreamResponse(status=200, headers={"Content-Type": "application/x-kvps-frame"})
+    resp.content_length = sum(len(p) for p in parts)
+    await resp.prepare(request)
+    for part in parts:
+        await resp.write(part)
+    await resp.write_eof()
+    return resp
+
+
+# ---- meta accessors: malformed input is InvalidRequest, never a KeyError/TypeError --------------
+
+def _field(meta: dict, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    if name not in meta:
+        if default is ...:
+            raise InvalidRequest(f"missing field {name!r}", field=name)
+        return default
+    value = meta[name]
+    if isinstance(value, bool) and kind in (int, float):
+        raise InvalidRequest(f"field {name!r} must be {getattr(kind, '__name__', kind)}", field=name)
+    if not isinstance(value, kind):
+        raise InvalidRequest(f"field {name!r} has the wrong type", field=name)
+    return value
+
+
+def _array(req: frame.Frame, index: Any) -> np.ndarray:
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(req.arrays):
+        raise InvalidRequest(f"bad array index {index!r}")
+    return req.arrays[index]
+
+
+def _key(meta: dict) -> str:
+    key = _field(meta, "key", str)
+    if not key or len(key) > 1024:
+        raise InvalidRequest("key must be 1-1024 characters", field="key")
+    return key
+
+
+def _items(meta: dict, name: str) -> list[dict]:
+    items = _field(meta, name, list, [])
+    if not all(isinstance(it, dict) for it in items):
+        raise InvalidRequest(f"{name!r} must be a list of objects", field=name)
+    return items
+
+
+def _blocks(req: frame.Frame) -> tuple[tuple[int, np.ndarray], ...]:
+    return tuple((_field(it, "block", int), _array(req, it.get("array")))
+                 for it in _items(req.meta, "blocks"))
+
+
+def _client_ids(meta: dict) -> tuple[str, int, int]:
+    client = _field(meta, "client", str)
+    seq, floor = _field(meta, "seq", int), _field(meta, "floor", int)
+    if not client or len(client) > 128 or seq < 0 or floor < 0 or floor > seq:
+        raise InvalidRequest("bad push id (client, seq, floor)")
+    return client, seq, floor
+
+
+# ---- handlers -------------------------------------------------------------------------------------
+
+async def _push(replica: Replica, req: frame.Frame):
+    client, seq, floor = _client_ids(req.meta)
+    dense = tuple((_key(it), _field(it, "block", int), _array(req, it.get("array")))
+                  for it in _items(req.meta, "dense"))
+    rows = tuple((_key(it), _array(req, it.get("ids")), _array(req, it.get("grads")))
+                 for it in _items(req.meta, "rows"))
+    if not dense and not rows:
+        raise InvalidRequest("empty push")
+    result = await replica.push(PushRequest(client, seq, floor, dense, rows))
+    return {"versions": result["versions"]}, ()
+
+
+async def _pull(replica: Replica, req: frame.Frame):
+    consistency = _field(req.meta, "consistency", str, "leader")
+    items = []
+    wanted: dict[tuple[str, int], int] = {}
+    for it in _items(req.meta, "dense"):
+        key, blocks = _key(it), _field(it, "blocks", list)
+        have = _field(it, "have", list, [None] * len(blocks))
+        if len(have) != len(blocks) or not all(isinstance(b, int) for b in blocks):
+            raise InvalidRequest("'blocks' and 'have' must be lists of equal length", key=key)
+        min_version = _field(it, "min_version", int, 0)
+        if min_version:
+            wanted.update({(key, b): min_version for b in blocks})
+        items.append((key, blocks, have))
+    await replica.before_read(consistency, wanted)
+    out_meta, arrays = [], []
+    for key, blocks, have in items:
+        for block, held, (version, value) in zip(blocks, have, replica.read_blocks(key, blocks)):
+            entry = {"key": key, "block": block, "version": version, "array": None}
+            if held != version:
+                entry["array"] = len(arrays)
+                arrays.append(value)
+            out_meta.append(entry)
+    return {"blocks": out_meta}, arrays
+
+
+async def _pull_rows(replica: Replica, req: frame.Frame):
+    key = _key(req.meta)
+    ids = _array(req, req.meta.get("ids"))
+    await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
+    values, versions = replica.read_rows(key, ids)
+    return {"rows": 0, "versions": 1}, (values, versions)
+
+
+async def _create_key(replica: Replica, req: frame.Frame):
+    m = req.meta
+    shape = _field(m, "shape", list)
+    cmd = CreateKey(key=_key(m), shape=tuple(shape), dtype=_field(m, "dtype", str),
+                    block_rows=_field(m, "block_rows", int), optimizer=_field(m, "optimizer", dict),
+                    merge=_field(m, "merge", str, "sum"), blocks=_blocks(req))
+    return await replica.write(cmd), ()
+
+
+async def _create_table(replica: Replica, req: frame.Frame):
+    m = req.meta
+    cmd = CreateTable(key=_key(m), dim=_field(m, "dim", int), dtype=_field(m, "dtype", str),
+                      optimizer=_field(m, "optimizer", dict), init=_field(m, "init", dict),
+                      merge=_field(m, "merge", str, "sum"))
+    return await replica.write(cmd), ()
+
+
+async def _delete_key(replica: Replica, req: frame.Frame):
+    return await replica.write(DeleteKey(key=_key(req.meta))), ()
+
+
+async def _set(replica: Replica, req: frame.Frame):
+    client, seq, floor = _client_ids(req.meta)
+    expected = _field(req.meta, "expected_version", (int, type(None)), None)
+    cmd = Set(now=time.time(), client=client, seq=seq, floor=floor, key=_key(req.meta),
+              blocks=_blocks(req), expected_version=expected)
+    result = await replica.write(cmd)
+    return {"versions": result["versions"]}, ()
+
+
+async def _describe(replica: Replica, req: frame.Frame):
+    await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
+    return {"info": replica.describe(_key(req.meta))}, ()
+
+
+async def _keys(replica: Replica, req: frame.Frame):
+    await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
+    return {"keys": replica.keys()}, ()
+
+
+async def _state_hash(replica: Replica, req: frame.Frame):
+    return {"hash": replica.state_hash(), "applied_index": replica.group.status()["applied_index"]}, ()
+
+
+HANDLERS: dict[str, Handler] = {
+    "push": _push,
+    "pull": _pull,
+    "pull_rows": _pull_rows,
+    "create_key": _create_key,
+    "create_table": _create_table,
+    "delete_key": _delete_key,
+    "set": _set,
+    "describe": _describe,
+    "keys": _keys,
+    "state_hash": _state_hash,
+}

@@ -1,0 +1,201 @@
+"""A local cluster of node processes on 127.0.0.1: used by ``kvps up``, the demo, tests and benchmarks.
+
+``LocalCluster`` writes ``cluster.toml``, ``secret`` and ``token`` into its data dir (reusing existing
+ones, so a restart keeps its data), starts one ``kvps node`` process per node in its own process
+group, and stops every process it started — also when the caller fails (use it as a context manager).
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvps.config import ClusterConfig, NodeConfig, RaftConfig, ServerConfig, dump_cluster
+from kvps.errors import Unavailable
+from kvps.process import python_module_args, spawn, stop_process
+
+__all__ = ["LocalCluster", "free_port_base", "wait_until"]
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, period: float = 0.05) -> Any:
+    """Poll ``predicate`` until it returns a truthy value or ``timeout`` passes (then raise)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}")
+        time.sleep(period)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_base(count: int, *, seed: int | None = None) -> int:
+    """A base port such that ``count`` consecutive ports are free right now."""
+    import random
+    rng = random.Random(seed if seed is not None else os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - count)
+        if all(_port_free(p) for p in range(base, base + count)):
+            return base
+    raise Unavailable(f"no block of {count} free ports found")
+
+
+def make_config(*, nodes: int, shards: int, replicas: int, port: int, block_bytes: int,
+                raft: RaftConfig, server: ServerConfig) -> ClusterConfig:
+    node_cfgs = tuple(
+        NodeConfig(id=i, host="127.0.0.1", admin_port=port + i,
+                   port_base=port + nodes + i * 2 * shards, data_dir=f"node-{i}")
+        for i in range(nodes))
+    return ClusterConfig(nodes=node_cfgs, shards=shards, replicas=replicas, block_bytes=block_bytes,
+                         raft=raft, server=server).validate()
+
+
+def ports_needed(nodes: int, shards: int) -> int:
+    return nodes + nodes * 2 * shards
+
+
+class LocalCluster:
+    def __init__(self, data_dir: str | Path, *, nodes: int = 3, shards: int = 8, replicas: int = 3,
+                 port: int | None = None, block_bytes: int = 1 << 20,
+                 raft: RaftConfig | None = None, server: ServerConfig | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if port is None:
+            port = free_port_base(ports_needed(nodes, shards))
+        self.cfg = make_config(nodes=nodes, shards=shards, replicas=min(replicas, nodes), port=port,
+                               block_bytes=block_bytes, raft=raft or RaftConfig(),
+                               server=server or ServerConfig())
+        self.config_path = self.data_dir / "cluster.toml"
+        self.env = env or {}
+        self.procs: dict[int, subprocess.Popen] = {}
+        self._write_files()
+
+    def _write_files(self) -> None:
+        self.config_path.write_text(dump_cluster(self.cfg))
+        for name, make in (("secret", lambda: secrets.token_hex(32)),
+                           ("token", lambda: secrets.token_urlsafe(24))):
+            path = self.data_dir / name
+            if not path.exists():
+                path.touch(mode=0o600)
+                path.write_text(make() + "\n")
+
+    @property
+    def token(self) -> str:
+        return (self.data_dir / "token").read_text().split()[0]
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [n.admin_url for n in self.cfg.nodes]
+
+    # ---- processes ---------------------------------------------------------------------------
+
+    def start(self, *, wait: bool = True, timeout: float = 60.0) -> "LocalCluster":
+        for node in self.cfg.nodes:
+            self.start_node(node.id)
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def start_node(self, node_id: int) -> None:
+        proc = self.procs.get(node_id)
+        if proc is not None and proc.poll() is None:
+            return
+        args = python_module_args("kvps.cli", "node", "--config", str(self.config_path),
+                                  "--id", str(node_id))
+        log = self.data_dir / f"node-{node_id}" / "logs" / "node.log"
+        self.procs[node_id] = spawn(args, log, new_session=True, env=self.env)
+
+    def kill_node(self, node_id: int, sig: int = signal.SIGKILL) -> None:
+        """Signal the node supervisor only; with SIGKILL its replicas die with it (PDEATHSIG)."""
+        proc = self.procs.get(node_id)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+            if sig == signal.SIGKILL:
+                proc.wait()
+
+    def stop_node(self, node_id: int) -> None:
+        proc = self.procs.get(node_id)
+        if proc is not None:
+            stop_process(proc, timeout=10.0, group=True)
+
+    def stop(self) -> None:
+        for node_id in list(self.procs):
+            self.stop_node(node_id)
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- observation -------------------------------------------------------------------------
+
+    def cluster_map(self, timeout: float = 1.0) -> dict[str, Any] | None:
+        for node in self.cfg.nodes:
+            proc = self.procs.get(node.id)
+            if proc is None or proc.poll() is not None:
+                continue
+            try:
+                with urllib.request.urlopen(node.admin_url + "/v1/cluster", timeout=timeout) as r:
+                    return json.loads(r.read())
+            except (OSError, urllib.error.URLError, ValueError):
+                continue
+        return None
+
+    def ready(self) -> bool:
+        cmap = self.cluster_map()
+        if cmap is None:
+            return False
+        for shard in cmap["shards"]:
+            leader = next((r for r in shard["replicas"] if r.get("role") == "leader"), None)
+            if leader is None or not leader.get("serving"):
+                return False
+        return True
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        wait_until(self.ready, timeout, "every shard to have a serving leader", period=0.1)
+
+    def leader(self, shard: int) -> dict[str, Any] | None:
+        cmap = self.cluster_map()
+        if cmap is None:
+            return None
+        return next((r for r in cmap["shards"][shard]["replicas"]
+                     if r.get("role") == "leader" and r.get("serving")), None)
+
+    def replica(self, shard: int, node_id: int) -> dict[str, Any] | None:
+        cmap = self.cluster_map()
+        if cmap is None:
+            return None
+        return next((r for r in cmap["shards"][shard]["replicas"] if r["node"] == node_id), None)
+
+    def kill_pid(self, pid: int, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def describe(self) -> str:
+        lines = [f"kvps local cluster: {len(self.cfg.nodes)} nodes, {self.cfg.shards} shards × "
+                 f"{self.cfg.replicas} replicas, data in {self.data_dir}"]
+        lines += [f"  node {n.id}: {n.admin_url}" for n in self.cfg.nodes]
+        return "\n".join(lines)

@@ -1,0 +1,229 @@
+"""A node: supervises one replica process per hosted shard and serves the admin HTTP API.
+
+Replica processes are restarted when they exit (with a capped back-off). The node polls each local
+replica's ``/v1/status`` and answers ``/healthz``, ``/readyz``, ``/v1/node`` (its replicas) and
+``/v1/cluster`` (every node's replicas, gathered on request).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvps.config import ClusterConfig
+from kvps.process import python_module_args, spawn, stop_process
+
+__all__ = ["Node"]
+
+log = logging.getLogger("kvps.node")
+
+POLL_PERIOD = 0.2
+RESTART_BACKOFF = (0.2, 5.0)
+
+
+@dataclass
+class ReplicaProcess:
+    shard: int
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    backoff: float = RESTART_BACKOFF[0]
+    next_start: float = 0.0
+    status: dict[str, Any] | None = None
+    status_at: float = 0.0
+    last_exit: int | None = None
+    started_at: float = field(default_factory=time.monotonic)
+
+
+class Node:
+    def __init__(self, cfg: ClusterConfig, node_id: int, config_path: Path, data_dir: Path,
+                 token: str) -> None:
+        self.cfg = cfg
+        self.node_id = node_id
+        self.config_path = config_path
+        self.data_dir = data_dir
+        self.token = token
+        self.replicas = {s: ReplicaProcess(s) for s in cfg.shards_on(node_id)}
+        self._stopping = False
+        self._session: aiohttp.ClientSession | None = None
+
+    # ---- supervision -------------------------------------------------------------------------
+
+    def _start(self, rp: ReplicaProcess) -> None:
+        args = python_module_args("kvps.cli", "replica", "--config", str(self.config_path),
+                                  "--node", str(self.node_id), "--shard", str(rp.shard))
+        log_path = self.data_dir / "logs" / f"shard-{rp.shard}.log"
+        rp.proc = spawn(args, log_path)
+        rp.started_at = time.monotonic()
+        rp.status = None
+        log.info("node %d: started replica of shard %d (pid %d)", self.node_id, rp.shard, rp.proc.pid)
+
+    def _supervise_once(self) -> None:
+        now = time.monotonic()
+        for rp in self.replicas.values():
+            if rp.proc is not None and rp.proc.poll() is None:
+                if now - rp.started_at > 10.0:
+                    rp.backoff = RESTART_BACKOFF[0]  # it stayed up: forget earlier crashes
+                continue
+            if rp.proc is not None:
+                rp.last_exit = rp.proc.returncode
+                log.warning("node %d: replica of shard %d exited with %s; restarting in %.1fs",
+                            self.node_id, rp.shard, rp.last_exit, rp.backoff)
+                rp.proc = None
+                rp.status = None
+                rp.next_start = now + rp.backoff
+                rp.backoff = min(rp.backoff * 2, RESTART_BACKOFF[1])
+                rp.restarts += 1
+            if now >= rp.next_start:
+                self._start(rp)
+
+    async def _poll_once(self) -> None:
+        assert self._session is not None
+
+        async def one(rp: ReplicaProcess) -> None:
+            url = self.cfg.node(self.node_id).data_url(rp.shard) + "/v1/status"
+            try:
+                async with self._session.get(url, headers={"Authorization": f"Bearer {self.token}"},
+                                             timeout=aiohttp.ClientTimeout(total=1.0)) as resp:
+                    if resp.status == 200:
+                        rp.status = await resp.json()
+                        rp.status_at = time.monotonic()
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            rp.status = None
+
+        await asyncio.gather(*(one(rp) for rp in self.replicas.values()))
+
+    async def _loop(self) -> None:
+        while not self._stopping:
+            self._supervise_once()
+            await self._poll_once()
+            await asyncio.sleep(POLL_PERIOD)
+
+    # ---- views -------------------------------------------------------------------------------
+
+    def node_view(self) -> dict[str, Any]:
+        replicas = []
+        for rp in self.replicas.values():
+            alive = rp.proc is not None and rp.proc.poll() is None
+            st = rp.status or {}
+            replicas.append({
+                "shard": rp.shard, "node": self.node_id, "alive": alive,
+                "pid": rp.proc.pid if alive else None, "restarts": rp.restarts,
+                "raft": self.cfg.node(self.node_id).raft_address(rp.shard),
+                "data_url": self.cfg.node(self.node_id).data_url(rp.shard),
+                "role": st.get("role", "unknown"), "term": st.get("term"),
+                "leader": st.get("leader"), "serving": st.get("serving", False),
+                "commit_index": st.get("commit_index"), "applied_index": st.get("applied_index"),
+                "log_entries": st.get("log_entries"),
+            })
+        return {"node": self.node_id, "admin_url": self.cfg.node(self.node_id).admin_url,
+                "replicas": replicas}
+
+    async def cluster_view(self) -> dict[str, Any]:
+        assert self._session is not None
+
+        async def fetch(node_id: int) -> dict[str, Any] | None:
+            if node_id == self.node_id:
+                return self.node_view()
+            url = self.cfg.node(node_id).admin_url + "/v1/node"
+            try:
+                async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=0.5)) as resp:
+                    return await resp.json() if resp.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                return None
+
+        views = await asyncio.gather(*(fetch(n.id) for n in self.cfg.nodes))
+        return build_cluster_map(self.cfg, views)
+
+    # ---- HTTP --------------------------------------------------------------------------------
+
+    def make_app(self) -> web.Application:
+        app = web.Application()
+
+        async def healthz(request: web.Request) -> web.Response:
+            return web.Response(text="ok\n")
+
+        async def readyz(request: web.Request) -> web.Response:
+            missing = [rp.shard for rp in self.replicas.values()
+                       if not rp.status or rp.status.get("leader") is None]
+            if missing:
+                return web.json_response({"ready": False, "shards_without_leader": missing}, status=503)
+            return web.json_response({"ready": True})
+
+        async def node(request: web.Request) -> web.Response:
+            return web.json_response(self.node_view())
+
+        async def cluster(request: web.Request) -> web.Response:
+            return web.json_response(await self.cluster_view())
+
+        app.router.add_get("/healthz", healthz)
+        app.router.add_get("/readyz", readyz)
+        app.router.add_get("/v1/node", node)
+        app.router.add_get("/v1/cluster", cluster)
+        return app
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._session = aiohttp.ClientSession()
+        runner = web.AppRunner(self.make_app(), access_log=None)
+        await runner.setup()
+        me = self.cfg.node(self.node_id)
+        site = web.TCPSite(runner, me.host, me.admin_port, reuse_address=True)
+        await site.start()
+        log.info("node %d: admin API on %s", self.node_id, me.admin_url)
+        loop_task = asyncio.create_task(self._loop())
+        try:
+            await stop.wait()
+        finally:
+            self._stopping = True
+            loop_task.cancel()
+            await asyncio.gather(loop_task, return_exceptions=True)
+            await asyncio.to_thread(self._stop_replicas)
+            await runner.cleanup()
+            await self._session.close()
+
+    def _stop_replicas(self) -> None:
+        for rp in self.replicas.values():
+            if rp.proc is not None:
+                stop_process(rp.proc, timeout=5.0)
+
+
+def build_cluster_map(cfg: ClusterConfig, views: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """Merge per-node views into the cluster map clients route with."""
+    by_replica: dict[tuple[int, int], dict] = {}
+    nodes = []
+    for node_cfg, view in zip(cfg.nodes, views):
+        nodes.append({"id": node_cfg.id, "admin_url": node_cfg.admin_url, "reachable": view is not None})
+        for rep in (view or {}).get("replicas", []):
+            by_replica[(rep["shard"], rep["node"])] = rep
+    shards = []
+    for s in range(cfg.shards):
+        reps = []
+        for n in cfg.replica_nodes(s):
+            rep = by_replica.get((s, n)) or {
+                "shard": s, "node": n, "alive": False, "pid": None, "role": "unknown",
+                "raft": cfg.node(n).raft_address(s), "data_url": cfg.node(n).data_url(s),
+                "term": None, "leader": None, "commit_index": None, "applied_index": None}
+            reps.append(rep)
+        leaders = [r for r in reps if r.get("role") == "leader"]
+        leader = max(leaders, key=lambda r: r.get("term") or 0) if leaders else None
+        shards.append({
+            "id": s,
+            "leader": leader["node"] if leader else None,
+            "leader_url": leader["data_url"] if leader else None,
+            "term": max((r.get("term") or 0) for r in reps),
+            "replicas": reps,
+        })
+    return {
+        "cluster": {"shards": cfg.shards, "replicas": cfg.replicas, "block_bytes": cfg.block_bytes,
+                    "max_push_bytes": cfg.raft.max_command_bytes // 2},
+        "nodes": nodes,
+        "shards": shards,
+    }

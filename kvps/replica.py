@@ -1,0 +1,308 @@
+"""One shard replica: the state machine, its Raft group, the leader's batcher, and the read paths.
+
+Threads: pysyncobj applies committed entries on its tick thread; everything else runs on the
+replica's asyncio loop. ``ShardState`` is guarded by one lock; dense blocks are immutable arrays, so
+a read takes references under the lock and encodes them outside it.
+
+Leadership: a replica that becomes leader first commits a ``Barrier`` of its own term and serves
+writes and leader reads only once it has applied it. By then every entry that can ever commit from
+earlier terms is applied here, so the duplicate check before merging sees all of them (DESIGN §3).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvps.batcher import PushBatcher
+from kvps.command import Barrier, Command, CreateKey, CreateTable, DeleteKey, Set, decode_command
+from kvps.config import ClusterConfig
+from kvps.errors import (
+    CodecError, InvalidRequest, KeyNotFound, KvpsError, NotLeader, Unavailable,
+)
+from kvps.merge import PushRequest
+from kvps.raft import bridge
+from kvps.raft.group import ShardGroup
+from kvps.shard import ShardState
+
+__all__ = ["Replica"]
+
+log = logging.getLogger("kvps.replica")
+
+
+class Replica:
+    def __init__(self, cfg: ClusterConfig, node_id: int, shard: int, *, secret: bytes,
+                 data_dir: Path) -> None:
+        self.cfg = cfg
+        self.node_id = node_id
+        self.shard = shard
+        self.address = cfg.node(node_id).raft_address(shard)
+        self._data_urls = {cfg.node(n).raft_address(shard): cfg.node(n).data_url(shard)
+                           for n in cfg.replica_nodes(shard)}
+        self._lock = threading.Lock()
+        self._state = self._new_state()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._applied = asyncio.Event()  # pulsed after every apply (follower reads wait on it)
+        self._serving_term = -1  # term whose barrier this replica has applied as leader
+        self._barrier_task: asyncio.Task | None = None
+        self._batcher: PushBatcher | None = None
+        self.counters = {"pushes": 0, "pulls": 0, "batches": 0, "batched_pushes": 0,
+                         "leader_changes": 0, "rejected": 0}
+        self._journal_dir = data_dir / f"shard-{shard}"
+        self._journal_dir.mkdir(parents=True, exist_ok=True)
+        self._group: ShardGroup | None = None
+        self._secret = secret
+
+    def _new_state(self) -> ShardState:
+        return ShardState(self.shard, session_ttl=self.cfg.server.session_ttl,
+                          dedup=not self.cfg.server.unsafe_disable_dedup)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._batcher = PushBatcher(self._propose, self.merge_mode, self.cfg.server,
+                                    on_batch=self._count_batch)
+        peers = [self.cfg.node(n).raft_address(self.shard)
+                 for n in self.cfg.replica_nodes(self.shard) if n != self.node_id]
+        self._group = ShardGroup(
+            self_address=self.address, peers=peers, raft=self.cfg.raft, secret=self._secret,
+            context=f"kvps/shard={self.shard}", journal_dir=self._journal_dir,
+            applier=self._apply, snapshot_state=self._snapshot_state,
+            restore_state=self._restore_state, on_role_change=self._on_role_change)
+
+    async def stop(self) -> None:
+        if self._barrier_task is not None:
+            self._barrier_task.cancel()
+        if self._batcher is not None:
+            await self._batcher.close()
+        if self._group is not None:
+            await asyncio.to_thread(self._group.stop)
+
+    @property
+    def group(self) -> ShardGroup:
+        assert self._group is not None, "Replica.start() not called"
+        return self._group
+
+    # ---- tick-thread callbacks (pysyncobj) ---------------------------------------------------
+
+    def _apply(self, data: bytes) -> Any:
+        try:
+            cmd = decode_command(data)
+        except (CodecError, InvalidRequest) as exc:
+            log.error("shard %d: undecodable log entry (%d bytes): %s", self.shard, len(data), exc)
+            return InvalidRequest(f"undecodable command: {exc}")
+        with self._lock:
+            result = self._state.apply(cmd)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._pulse_applied)
+        return result
+
+    def _snapshot_state(self) -> bytes:
+        with self._lock:
+            return self._state.snapshot()
+
+    def _restore_state(self, data: bytes) -> None:
+        state = ShardState.restore(data)
+        with self._lock:
+            self._state = state
+
+    def _on_role_change(self, role: str) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._role_changed, role)
+
+    # ---- loop-thread reactions ----------------------------------------------------------------
+
+    def _pulse_applied(self) -> None:
+        self._applied.set()
+        self._applied = asyncio.Event()
+
+    def _role_changed(self, role: str) -> None:
+        self.counters["leader_changes"] += 1
+        log.info("shard %d replica %s is now %s (term %d)", self.shard, self.address, role,
+                 self.group.term())
+        if role == "leader" and (self._barrier_task is None or self._barrier_task.done()):
+            self._barrier_task = asyncio.get_running_loop().create_task(self._commit_barrier())
+
+    async def _commit_barrier(self) -> None:
+        """Commit a Barrier of our term; once applied, serve writes and leader reads."""
+        while self.group.is_leader():
+            term = self.group.term()
+            if self._serving_term == term:
+                return
+            try:
+                await self._propose(Barrier(term=term, replica=self.address).to_bytes())
+            except KvpsError as exc:
+                log.info("shard %d: barrier for term %d failed (%s); retrying", self.shard, term, exc)
+                await asyncio.sleep(self.cfg.raft.heartbeat_period)
+                continue
+            if self.group.term() == term and self.group.is_leader():
+                self._serving_term = term
+                log.info("shard %d: leader of term %d is serving", self.shard, term)
+
+    async def _propose(self, data: bytes) -> Any:
+        return await bridge.propose(self.group, data)
+
+    def _count_batch(self, pushes: int, nbytes: int) -> None:
+        self.counters["batches"] += 1
+        self.counters["batched_pushes"] += pushes
+
+    # ---- leadership checks ------------------------------------------------------------------
+
+    def leader_hint(self) -> str | None:
+        addr = self.group.leader_address()
+        return self._data_urls.get(addr) if addr else None
+
+    def _not_leader(self) -> NotLeader:
+        return NotLeader(f"replica {self.address} of shard {self.shard} is not the leader",
+                         leader_hint=self.leader_hint(), shard=self.shard)
+
+    async def ensure_serving(self) -> None:
+        """Return once this replica is the leader and has applied its barrier."""
+        deadline = time.monotonic() + self.cfg.server.barrier_wait
+        while True:
+            if not self.group.is_leader():
+                raise self._not_leader()
+            if self._serving_term == self.group.term():
+                return
+            if self._barrier_task is None or self._barrier_task.done():
+                self._barrier_task = asyncio.get_running_loop().create_task(self._commit_barrier())
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Unavailable("new leader has not applied its barrier yet", shard=self.shard)
+            await self._wait_applied(remaining)
+
+    async def _wait_applied(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._applied.wait(), min(timeout, 0.05))
+        except TimeoutError:
+            pass
+
+    # ---- writes ----------------------------------------------------------------------------
+
+    async def push(self, req: PushRequest) -> dict:
+        await self.ensure_serving()
+        with self._lock:
+            err = self._state.check_push(req, self.cfg.server.nonfinite)
+            done = self._state.lookup_push(req.client, req.seq)
+        if done is not None:
+            return _unwrap(done)
+        if err is not None:
+            self.counters["rejected"] += 1
+            raise err
+        self.counters["pushes"] += 1
+        assert self._batcher is not None
+        return _unwrap(await self._batcher.submit(req))
+
+    async def write(self, cmd: Command) -> dict:
+        """Create, delete and set: proposed alone (not merged)."""
+        await self.ensure_serving()
+        if isinstance(cmd, Set):
+            with self._lock:
+                done = self._state.lookup_push(cmd.client, cmd.seq)
+                err = self._state.check_set(cmd)
+            if done is not None:
+                return _unwrap(done)
+            if err is not None:
+                raise err
+        elif not isinstance(cmd, (CreateKey, CreateTable, DeleteKey)):
+            raise InvalidRequest(f"not a write command: {type(cmd).__name__}")
+        return _unwrap(await self._propose(cmd.to_bytes()))
+
+    def merge_mode(self, key: str) -> str:
+        with self._lock:
+            return self._state.merge_mode(key)
+
+    # ---- reads -----------------------------------------------------------------------------
+
+    async def before_read(self, consistency: str, min_versions: dict[tuple[str, int], int]) -> None:
+        """Block until this replica may answer a read at ``consistency``."""
+        if consistency == "leader":
+            await self.ensure_serving()
+        elif consistency == "linearizable":
+            await self.ensure_serving()
+            # A read barrier through the log: once it applies, no newer leader can have
+            # committed anything we have not applied.
+            _unwrap(await self._propose(Barrier(term=self.group.term(), replica=self.address).to_bytes()))
+        elif consistency == "follower":
+            await self._wait_versions(min_versions)
+        else:
+            raise InvalidRequest(f"unknown consistency {consistency!r}")
+
+    async def _wait_versions(self, wanted: dict[tuple[str, int], int]) -> None:
+        if not wanted:
+            return
+        deadline = time.monotonic() + self.cfg.server.barrier_wait
+        while True:
+            with self._lock:
+                lagging = [kb for kb, v in wanted.items()
+                           if self._state.block_versions(kb[0], [kb[1]])[0] < v]
+            if not lagging:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Unavailable("replica has not reached min_version", shard=self.shard,
+                                  key=lagging[0][0], block=lagging[0][1])
+            await self._wait_applied(remaining)
+
+    def read_blocks(self, key: str, blocks: list[int]) -> list[tuple[int, np.ndarray]]:
+        with self._lock:
+            return self._state.read_blocks(key, blocks)
+
+    def block_versions(self, key: str, blocks: list[int]) -> list[int]:
+        with self._lock:
+            return self._state.block_versions(key, blocks)
+
+    def read_rows(self, key: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        with self._lock:
+            return self._state.read_rows(key, ids)
+
+    def describe(self, key: str) -> dict:
+        with self._lock:
+            info = self._state.describe(key)
+        if info is None:
+            raise KeyNotFound(f"no key {key!r} on shard {self.shard}", key=key)
+        return info
+
+    def keys(self) -> list[dict]:
+        with self._lock:
+            return self._state.keys()
+
+    def state_hash(self) -> str:
+        with self._lock:
+            return self._state.state_hash()
+
+    def status(self) -> dict:
+        st = self.group.status()
+        return {
+            "shard": self.shard, "node": self.node_id, "pid": os.getpid(), "raft": self.address,
+            "data_url": self.cfg.node(self.node_id).data_url(self.shard),
+            "role": st["role"], "term": st["term"], "leader": self._node_of(st["leader"]),
+            "leader_url": self._data_urls.get(st["leader"]) if st["leader"] else None,
+            "serving": st["role"] == "leader" and self._serving_term == st["term"],
+            "commit_index": st["commit_index"], "applied_index": st["applied_index"],
+            "log_entries": st["log_entries"],
+            "in_flight_bytes": self._batcher.accepted_bytes if self._batcher else 0,
+            "counters": dict(self.counters),
+        }
+
+    def _node_of(self, address: str | None) -> int | None:
+        if address is None:
+            return None
+        for n in self.cfg.replica_nodes(self.shard):
+            if self.cfg.node(n).raft_address(self.shard) == address:
+                return n
+        return None
+
+
+def _unwrap(result: Any) -> dict:
+    """Domain errors travel as values through Raft; raise them here, at the edge."""
+    if isinstance(result, KvpsError):
+        raise result
+    return result

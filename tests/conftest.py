@@ -1,0 +1,56 @@
+"""Shared fixtures: real local clusters on 127.0.0.1 with free ports, always torn down."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvps.config import RaftConfig, ServerConfig
+from kvps.local import LocalCluster
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cluster: starts real multi-process clusters")
+
+
+def make_cluster(tmp_path: Path, *, nodes: int = 3, shards: int = 2, replicas: int = 3,
+                 server: ServerConfig | None = None, raft: RaftConfig | None = None) -> LocalCluster:
+    return LocalCluster(tmp_path / "cluster", nodes=nodes, shards=shards, replicas=replicas,
+                        server=server, raft=raft, env={"KVPS_LOG_LEVEL": "info"})
+
+
+def dump_logs(cluster: LocalCluster) -> None:
+    """On failure, print the tail of every process log (pytest shows it with the report)."""
+    for log in sorted(cluster.data_dir.glob("node-*/logs/*.log")):
+        lines = log.read_text(errors="replace").splitlines()[-40:]
+        print(f"----- {log.relative_to(cluster.data_dir)} -----", file=sys.stderr)
+        print("\n".join(lines), file=sys.stderr)
+
+
+@pytest.fixture
+def cluster_factory(tmp_path, request):
+    """Build clusters that are stopped (and their logs shown on failure) whatever happens."""
+    made: list[LocalCluster] = []
+
+    def factory(**kwargs) -> LocalCluster:
+        c = make_cluster(tmp_path / f"c{len(made)}", **kwargs)
+        made.append(c)
+        return c
+
+    yield factory
+    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
+    for c in made:
+        if failed or os.environ.get("KVPS_TEST_LOGS"):
+            dump_logs(c)
+        c.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)

@@ -1,0 +1,144 @@
+"""Client routing, retry and exactly-once bookkeeping against an in-memory transport (no network)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+import kvps_client as kc
+from kvps.delta import frame
+from kvps.errors import NotLeader, Overloaded, Unauthorized
+
+URLS = ["http://r0", "http://r1", "http://r2"]
+CLUSTER = {
+    "cluster": {"shards": 1, "replicas": 3, "block_bytes": 1 << 20, "max_push_bytes": 1 << 20},
+    "nodes": [],
+    "shards": [{"id": 0, "leader": None, "leader_url": None, "term": 1,
+                "replicas": [{"node": i, "data_url": u} for i, u in enumerate(URLS)]}],
+}
+INFO = {"key": "w", "kind": "dense", "shape": [4], "dtype": "float32", "block_rows": 4,
+        "optimizer": {"name": "add"}, "merge": "sum", "blocks": [0]}
+
+
+class FakeShard:
+    """Replica r2 leads; r0/r1 answer NotLeader (r0 with a hint, r1 without)."""
+
+    def __init__(self, fail_pushes: int = 0, error=None):
+        self.fail_pushes = fail_pushes
+        self.error = error
+        self.pushes: list[dict] = []
+
+    async def __call__(self, method, url, body, headers):
+        if url.endswith("/v1/cluster"):
+            return 200, json.dumps(CLUSTER).encode()
+        base, op = url.split("/v1/rpc/")
+        if self.error is not None:
+            return self.error.http_status, json.dumps(self.error.to_dict()).encode()
+        if base != URLS[2]:
+            hint = URLS[2] if base == URLS[0] else None
+            err = NotLeader("not me", leader_hint=hint)
+            return err.http_status, json.dumps(err.to_dict()).encode()
+        req = frame.decode(body)
+        if op == "describe":
+            return 200, frame.encode(frame.KIND_RESPONSE, {"info": INFO})
+        if op == "push":
+            self.pushes.append(req.meta)
+            if self.fail_pushes:
+                self.fail_pushes -= 1
+                err = Overloaded("busy")
+                return err.http_status, json.dumps(err.to_dict()).encode()
+            return 200, frame.encode(frame.KIND_RESPONSE, {"versions": {"w": len(self.pushes)}})
+        raise AssertionError(op)
+
+
+async def no_sleep(_):
+    await asyncio.sleep(0)
+
+
+def make(handler, **kw) -> kc.Client:
+    return kc.Client(["http://admin"], token="t", transport=kc.MockTransport(handler), seed=0,
+                     sleep=no_sleep, **kw)
+
+
+def test_not_leader_hint_is_followed_and_remembered():
+    fake = FakeShard()
+
+    async def main():
+        async with make(fake) as ps:
+            await ps.push({"w": np.ones(4, np.float32)})
+            first = list(ps._transport.requests)
+            await ps.push({"w": np.ones(4, np.float32)})
+            return first, ps._transport.requests[len(first):], ps.stats
+
+    first, second, stats = asyncio.run(main())
+    assert ("POST", "http://r0/v1/rpc/describe") in first       # tried r0 first, got the hint
+    assert second == [("POST", "http://r2/v1/rpc/push")]        # then went straight to the leader
+    assert stats.redirects >= 1
+
+
+def test_retryable_errors_are_retried_with_the_same_push_id():
+    fake = FakeShard(fail_pushes=3)
+
+    async def main():
+        async with make(fake) as ps:
+            return await ps.push({"w": np.ones(4, np.float32)}), ps.stats.retries
+
+    versions, retries = asyncio.run(main())
+    assert retries >= 3
+    ids = {(m["client"], m["seq"]) for m in fake.pushes}
+    assert len(fake.pushes) == 4 and len(ids) == 1            # four attempts, one push id
+    assert versions == {"w": 4}
+
+
+def test_floor_is_the_lowest_seq_still_waiting():
+    fake = FakeShard()
+
+    async def main():
+        async with make(fake) as ps:
+            for _ in range(3):
+                await ps.push({"w": np.ones(4, np.float32)})
+
+    asyncio.run(main())
+    assert [(m["seq"], m["floor"]) for m in fake.pushes] == [(1, 1), (2, 2), (3, 3)]
+
+
+def test_rejections_are_not_retried():
+    fake = FakeShard(error=Unauthorized("bad token"))
+
+    async def main():
+        async with make(fake):
+            pass
+
+    # the map fetch succeeds (no auth on /v1/cluster); describe is refused at once
+    async def push():
+        async with make(fake) as ps:
+            await ps.push({"w": np.ones(4, np.float32)})
+
+    asyncio.run(main())
+    with pytest.raises(kc.Unauthorized):
+        asyncio.run(push())
+
+
+def test_deadline_turns_endless_retries_into_timeout():
+    fake = FakeShard(fail_pushes=10**9)
+
+    async def main():
+        async with make(fake, timeout=0.2) as ps:
+            await ps.push({"w": np.ones(4, np.float32)})
+
+    with pytest.raises(kc.Timeout):
+        asyncio.run(main())
+
+
+def test_shape_checked_before_anything_is_sent():
+    fake = FakeShard()
+
+    async def main():
+        async with make(fake) as ps:
+            with pytest.raises(kc.ShapeMismatch):
+                await ps.push({"w": np.ones(5, np.float32)})
+
+    asyncio.run(main())
+    assert fake.pushes == []
