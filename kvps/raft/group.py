@@ -1,0 +1,280 @@
+"""``ShardGroup``: one shard's Raft group, the only ``SyncObj`` subclass in kvps.
+
+What pysyncobj 0.3.17 forces on us and how this class answers it (DESIGN section 4):
+
+* Replicated methods are numbered by sorted name and their arguments pickled: there is exactly one,
+  ``apply_command(data: bytes)``. Commands are submitted with ``propose()`` as protocol-5 pickles
+  through the semi-private ``_applyCommand`` (``@replicated`` would pickle with protocol 2, which
+  turns bytes into a ``_codecs.encode`` call and grows them 1.5x).
+* An exception raised while applying an entry is re-applied on every tick forever (pysyncobj
+  raises before advancing lastApplied): ``apply_command`` never raises; it logs the error as
+  critical with the entry's index and returns ``InvalidRequest`` as the entry's result.
+* Peer traffic goes through ``kvps.raft.transport`` (authenticated, capped, no globals unpickled).
+  ``password`` stays unset: pysyncobj's own encryption needs ``cryptography`` and still unpickles
+  before checking anything.
+* ``appendEntriesUseBatch=False`` (with batching every hop waits a full ``appendEntriesPeriod``),
+  and ``appendEntriesBatchSizeBytes`` just above ``max_command_bytes`` so the chunked path for
+  large entries (which truncates them) is never taken; larger commands are refused up front.
+* Log compaction writes our own snapshot format (``kvps.raft.snapshot_file``) through the
+  ``serializer`` / ``deserializer`` hooks and is triggered by applied *bytes* as well as entries
+  (pysyncobj only counts entries, and its in-memory log holds every entry until compaction).
+  pysyncobj calls the serializer synchronously in its tick thread, so a large state stalls
+  heartbeats while it is written; acceptable for now, off-thread compaction is separate work.
+* ``commandsWaitLeader=False``: a proposal made while no leader is known fails at once with
+  MISSING_LEADER (retryable) instead of waiting, unbounded, in pysyncobj's queue.
+
+Durability: the journal (``journal_dir/raft.journal``) is an mmap that pysyncobj never fsyncs
+while running; ``raft.journal.meta`` (term, vote, commit index) is written and renamed without
+fsync. An acknowledged command survives ``kill -9`` of the process (the page cache holds it), not
+a power loss or kernel crash, unless a majority of replicas survives it. Snapshots are fsynced.
+
+Threads: pysyncobj runs everything (applier, snapshot hooks, role and result callbacks) on its
+tick thread. That thread stops when the thread that *constructed* the group exits, so build the
+group on a long-lived thread (the main thread / the event loop's thread), and keep a reference to
+it: the tick thread only holds a weak proxy.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pysyncobj import SyncObj, SyncObjConf, replicated
+from pysyncobj.node import TCPNode
+from pysyncobj.syncobj import _COMMAND_TYPE
+
+from kvps.config import RaftConfig
+from kvps.errors import InvalidRequest
+from kvps.raft import snapshot_file
+from kvps.raft.transport import make_transport_class
+
+__all__ = ["COMMAND_TOO_LARGE", "GROUP_STOPPED", "ShardGroup", "syncobj_options"]
+
+logger = logging.getLogger("kvps.raft")
+
+# Our own failure codes, next to pysyncobj's FAIL_REASON values (0..7); bridge.py maps them.
+COMMAND_TOO_LARGE = 100  # refused before proposing: len(data) > raft.max_command_bytes
+GROUP_STOPPED = 101  # the group was stopped before the command's outcome was known
+
+_ROLES = {0: "follower", 1: "candidate", 2: "leader"}  # pysyncobj's _RAFT_STATE values
+_SNAPSHOT_CHUNK_BYTES = 4 * 1024 * 1024  # snapshot bytes per append_entries while installing one
+_BATCH_HEADROOM = 64 * 1024  # appendEntriesBatchSizeBytes above max_command_bytes
+_NEVER = 10.0 ** 9  # "no time-based compaction": compaction is by bytes and entries only
+
+
+def syncobj_options(raft: RaftConfig, journal_dir: Path) -> dict[str, Any]:
+    """``SyncObjConf`` keyword arguments for ``raft`` (SyncObjConf ignores unknown names silently:
+    tests/test_raft_pin.py checks that every one of these still exists)."""
+    return {
+        "password": None,
+        "appendEntriesUseBatch": False,
+        "appendEntriesPeriod": raft.heartbeat_period,
+        "raftMinTimeout": raft.election_timeout_min,
+        "raftMaxTimeout": raft.election_timeout_max,
+        "leaderFallbackTimeout": raft.leader_fallback_timeout,
+        "connectionTimeout": raft.connection_timeout,
+        "connectionRetryTime": raft.connection_retry,
+        "appendEntriesBatchSizeBytes": raft.max_command_bytes + _BATCH_HEADROOM,
+        "commandsQueueSize": raft.queue_size,
+        "commandsWaitLeader": False,
+        "journalFile": str(journal_dir / "raft.journal"),
+        "fullDumpFile": str(journal_dir / "raft.snapshot"),
+        "logCompactionMinEntries": raft.compact_entries,
+        "logCompactionMinTime": _NEVER,
+        "logCompactionBatchSize": _SNAPSHOT_CHUNK_BYTES,
+        "dynamicMembershipChange": True,
+    }
+
+
+class ShardGroup(SyncObj):
+    """A Raft replica of one shard. ``applier``, ``snapshot_state`` and ``restore_state`` run on the
+    tick thread; ``propose`` may be called from any thread; callbacks arrive on the tick thread."""
+
+    def __init__(self, *, self_address: str, peers: Sequence[str], raft: RaftConfig, secret: bytes,
+                 context: str, journal_dir: Path, applier: Callable[[bytes], Any],
+                 snapshot_state: Callable[[], bytes], restore_state: Callable[[bytes], None],
+                 on_role_change: Callable[[str], None] | None = None) -> None:
+        raft.validate()
+        journal_dir = Path(journal_dir)
+        journal_dir.mkdir(parents=True, exist_ok=True)
+        dump_path = journal_dir / "raft.snapshot"
+        if dump_path.exists():
+            snapshot_file.read(dump_path)  # refuse to start on a corrupt snapshot (CodecError)
+
+        # Everything the tick thread may touch is set before SyncObj.__init__ starts it.
+        self._raft = raft
+        self._applier = applier
+        self._snapshot_state = snapshot_state
+        self._restore_state = restore_state
+        self._on_role_change = on_role_change
+        self._role = "follower"
+        self._applied_bytes = 0  # command bytes applied since the last compaction was forced
+        self._pending: dict[int, Callable[[Any, int], None]] = {}
+        self._pending_lock = threading.Lock()
+        self._tokens = itertools.count()
+        self._stopped = False
+        self._tick_thread: threading.Thread | None = None
+        self._func_id: int | None = None
+
+        conf = SyncObjConf(
+            **syncobj_options(raft, journal_dir),
+            serializer=self._write_snapshot,
+            deserializer=self._read_snapshot,
+            onStateChanged=self._on_state_changed,
+        )
+        transport = make_transport_class(
+            secret=secret, context=context.encode(), max_frame_bytes=raft.max_frame_bytes,
+            socket_buffer_bytes=raft.socket_buffer_bytes)
+        self._transport_stats = transport.stats
+        super().__init__(self_address, [p for p in peers if p != self_address], conf,
+                         transportClass=transport)
+        self.addOnTickCallback(self._note_tick_thread)
+        self._func_id = self._methodToID[self._getFuncName("apply_command")]
+
+    # -- the one replicated method ------------------------------------------------------------
+
+    @replicated
+    def apply_command(self, data: bytes) -> Any:
+        index = self.raftLastApplied + 1  # pysyncobj advances lastApplied after we return
+        self._applied_bytes += len(data)
+        try:
+            result = self._applier(data)
+        except Exception as exc:  # must not escape: pysyncobj would re-apply this entry forever
+            logger.critical("raft entry %d (%d bytes) raised in the applier: %r; recorded as "
+                            "InvalidRequest", index, len(data), exc, exc_info=True)
+            result = InvalidRequest(f"applying log entry {index} failed: {type(exc).__name__}: {exc}",
+                                    index=index)
+        if self._applied_bytes >= self._raft.compact_bytes:
+            self._applied_bytes = 0
+            self.forceLogCompaction()
+        return result
+
+    # -- proposing ----------------------------------------------------------------------------
+
+    def propose(self, data: bytes, callback: Callable[[Any, int], None]) -> None:
+        """Submit ``data``; ``callback(result, reason)`` fires once on the tick thread (or at once on
+        this thread for QUEUE_FULL, COMMAND_TOO_LARGE and GROUP_STOPPED). ``reason`` is a
+        pysyncobj ``FAIL_REASON`` or one of our codes; ``result`` is the applier's return value."""
+        if len(data) > self._raft.max_command_bytes:
+            callback(None, COMMAND_TOO_LARGE)
+            return
+        if not isinstance(data, bytes):
+            data = bytes(data)
+        token = next(self._tokens)
+        with self._pending_lock:
+            stopped = self._stopped
+            if not stopped:
+                self._pending[token] = callback
+        if stopped:
+            callback(None, GROUP_STOPPED)
+            return
+        command = pickle.dumps((self._func_id, (data,)), protocol=5)
+        self._applyCommand(command, lambda result, reason: self._settle(token, result, reason),
+                           _COMMAND_TYPE.REGULAR)
+
+    def _settle(self, token: int, result: Any, reason: int) -> None:
+        with self._pending_lock:
+            callback = self._pending.pop(token, None)
+        if callback is not None:
+            callback(result, reason)
+
+    # -- status -------------------------------------------------------------------------------
+
+    def is_leader(self) -> bool:
+        return self._isLeader()
+
+    def leader_address(self) -> str | None:
+        leader = self._getLeader()
+        return None if leader is None else leader.address
+
+    def term(self) -> int:
+        return self._getTerm()
+
+    def connected_peers(self) -> list[str]:
+        """Peers with an authenticated connection, sorted."""
+        return sorted(n.address for n in self.otherNodes if self.isNodeConnected(n))
+
+    def transport_stats(self) -> dict[str, int]:
+        """Peer-traffic counters: frames/bytes sent and received, rejected connections."""
+        return self._transport_stats.snapshot()
+
+    def status(self) -> dict[str, Any]:
+        leader = self.leader_address()
+        return {
+            "role": self._role,
+            "term": self.term(),
+            "leader": leader,
+            "commit_index": self.raftCommitIndex,
+            "applied_index": self.raftLastApplied,
+            "log_entries": self._getRaftLogSize(),
+            # caught up once with a leader's commit index, and a leader is known now
+            "ready": bool(self.isReady()) and leader is not None,
+        }
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop the tick thread (close sockets, flush the journal) and wait for it to end.
+
+        Commands whose outcome is still unknown get ``GROUP_STOPPED``. Idempotent. Called from the
+        tick thread itself (inside a callback) it only requests the stop."""
+        with self._pending_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        if threading.current_thread() is self._tick_thread:
+            self.destroy()
+            return
+        self.destroy_synchronous()
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+        for callback in pending.values():
+            callback(None, GROUP_STOPPED)
+
+    # -- tick-thread hooks --------------------------------------------------------------------
+
+    def _note_tick_thread(self) -> None:
+        if self._tick_thread is None:
+            self._tick_thread = threading.current_thread()
+
+    def _on_state_changed(self, old: int, new: int) -> None:
+        self._role = _ROLES.get(new, "follower")
+        if self._on_role_change is None:
+            return
+        try:
+            self._on_role_change(self._role)
+        except Exception:  # an exception here would abort pysyncobj mid state transition
+            logger.exception("on_role_change(%r) raised", self._role)
+
+    def _write_snapshot(self, path: str, data: tuple) -> None:
+        last_entry, prev_entry, cluster = data
+        started = time.monotonic()
+        try:
+            snap = snapshot_file.RaftSnapshot(
+                last_entry=(bytes(last_entry[0]), last_entry[1], last_entry[2]),
+                prev_entry=(bytes(prev_entry[0]), prev_entry[1], prev_entry[2]),
+                members=tuple(sorted(node.address for node in cluster)),
+                state=self._snapshot_state())
+            snapshot_file.write(path, snap)
+        except Exception:  # pysyncobj only logs "Failed to store full dump"; say why first
+            logger.exception("raft snapshot at entry %d failed", last_entry[1])
+            raise
+        logger.info("raft snapshot at entry %d: %d state bytes in %.3f s (tick thread)",
+                    last_entry[1], len(snap.state), time.monotonic() - started)
+
+    def _read_snapshot(self, path: str) -> tuple:
+        try:
+            snap = snapshot_file.read(path)
+            self._restore_state(snap.state)
+        except Exception:  # pysyncobj logs and continues; make the cause visible
+            logger.critical("raft snapshot %s could not be loaded", path, exc_info=True)
+            raise
+        self._applied_bytes = 0
+        logger.info("raft snapshot loaded: entry %d, %d state bytes", snap.last_entry[1],
+                    len(snap.state))
+        return snap.last_entry, snap.prev_entry, {TCPNode(m) for m in snap.members}

@@ -1,0 +1,411 @@
+"""ShardGroup: election, ordered commits, failover, restart from journal + snapshot, snapshot install,
+an applier that raises, size limits, and the pipelined-append fix (each entry sent once).
+
+Three in-process groups on 127.0.0.1 with free ports; every wait is a condition with a deadline.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvps.config import RaftConfig
+from kvps.errors import CodecError, InvalidRequest
+from kvps.raft import snapshot_file
+from kvps.raft.group import COMMAND_TOO_LARGE, GROUP_STOPPED, ShardGroup
+
+SECRET = b"test-secret-for-raft-groups-0123456789"
+# Faster than the defaults, with margin for a loaded 2-core machine.
+FAST = RaftConfig(election_timeout_min=0.3, election_timeout_max=0.6, heartbeat_period=0.05,
+                  leader_fallback_timeout=0.6, connection_timeout=1.5, connection_retry=0.1)
+SUCCESS = 0
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+class Machine:
+    """The state machine under test: the list of applied commands."""
+
+    def __init__(self, fail_on: bytes | None = None) -> None:
+        self.applied: list[bytes] = []
+        self.fail_on = fail_on
+        self.restores = 0
+        self.lock = threading.Lock()
+
+    def apply(self, data: bytes) -> int:
+        if data == self.fail_on:
+            raise RuntimeError("applier exploded")
+        with self.lock:
+            self.applied.append(data)
+            return len(self.applied)
+
+    def snapshot(self) -> bytes:
+        with self.lock:
+            return b"".join(struct.pack("<I", len(x)) + x for x in self.applied)
+
+    def restore(self, blob: bytes) -> None:
+        items, pos = [], 0
+        while pos < len(blob):
+            (n,) = struct.unpack_from("<I", blob, pos)
+            items.append(blob[pos + 4:pos + 4 + n])
+            pos += 4 + n
+        with self.lock:
+            self.applied = items
+            self.restores += 1
+
+    def sequence(self) -> list[bytes]:
+        with self.lock:
+            return list(self.applied)
+
+
+class Cluster:
+    def __init__(self, root: Path, n: int = 3, raft: RaftConfig = FAST) -> None:
+        self.root = root
+        self.raft = raft
+        self.addresses = [f"127.0.0.1:{p}" for p in free_ports(n)]
+        self.groups: dict[str, ShardGroup] = {}
+        self.machines: dict[str, Machine] = {}
+        self.roles: dict[str, list[str]] = {}
+
+    def start(self, address: str, machine: Machine | None = None, secret: bytes = SECRET,
+              context: str = "test/shard=0", journal_dir: Path | None = None) -> ShardGroup:
+        machine = machine or Machine()
+        self.machines[address] = machine
+        self.roles[address] = roles = []
+        group = ShardGroup(
+            self_address=address, peers=self.addresses, raft=self.raft, secret=secret, context=context,
+            journal_dir=journal_dir or self.root / address.replace(":", "_"), applier=machine.apply,
+            snapshot_state=machine.snapshot, restore_state=machine.restore,
+            on_role_change=roles.append)
+        self.groups[address] = group
+        return group
+
+    def start_all(self) -> None:
+        for address in self.addresses:
+            self.start(address)
+
+    def stop(self, address: str) -> None:
+        self.groups.pop(address).stop()
+
+    def stop_all(self) -> None:
+        for address in list(self.groups):
+            self.stop(address)
+
+    def leader(self, timeout: float = 20.0) -> ShardGroup:
+        def find():
+            leaders = [g for g in self.groups.values() if g.is_leader()]
+            return leaders[0] if len(leaders) == 1 else None
+        return wait_for(find, timeout, "a single leader")
+
+    def propose(self, data: bytes, timeout: float = 20.0) -> Any:
+        """Propose through the current leader, retrying failures until it commits; the result."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            leader = self.leader(max(0.1, deadline - time.monotonic()))
+            result = propose_sync(leader, data, timeout=max(0.1, deadline - time.monotonic()))
+            if result[1] == SUCCESS:
+                return result[0]
+        raise AssertionError(f"could not commit {data[:20]!r}")
+
+    def wait_converged(self, timeout: float = 30.0) -> list[bytes]:
+        def same():
+            seqs = [m.sequence() for a, m in self.machines.items() if a in self.groups]
+            statuses = [g.status() for g in self.groups.values()]
+            applied = {s["applied_index"] for s in statuses}
+            if len(applied) == 1 and all(s == seqs[0] for s in seqs):
+                return seqs[0] or True
+            return None
+        wait_for(same, timeout, "all replicas to apply the same sequence")
+        return next(m.sequence() for a, m in self.machines.items() if a in self.groups)
+
+
+def propose_sync(group: ShardGroup, data: bytes, timeout: float = 20.0) -> tuple[Any, int]:
+    box: list[tuple[Any, int]] = []
+    done = threading.Event()
+
+    def callback(result: Any, reason: int) -> None:
+        box.append((result, reason))
+        done.set()
+
+    group.propose(data, callback)
+    if not done.wait(timeout):
+        return None, -1
+    return box[0]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.stop_all()
+
+
+def test_elects_one_leader_and_commits_in_order(cluster):
+    cluster.start_all()
+    leader = cluster.leader()
+    assert leader.status()["role"] == "leader"
+    commands = [f"cmd-{i}".encode() for i in range(50)]
+    for cmd in commands:
+        cluster.propose(cmd)
+    seq = cluster.wait_converged()
+    acked = [x for x in seq if x in commands]
+    assert acked == commands  # every acknowledged command, once, in order (retries may repeat none here)
+    for address, group in cluster.groups.items():
+        st = group.status()
+        assert set(st) >= {"role", "term", "leader", "commit_index", "applied_index", "log_entries", "ready"}
+        assert st["leader"] == cluster.leader().status()["leader"]
+        assert st["ready"] is True
+        assert st["commit_index"] == st["applied_index"]
+        assert sorted(group.connected_peers()) == sorted(a for a in cluster.addresses if a != address)
+    assert "leader" in cluster.roles[cluster.leader().status()["leader"]]
+
+
+def test_leader_stop_elects_new_leader_and_commits_resume(cluster):
+    cluster.start_all()
+    for i in range(5):
+        cluster.propose(f"before-{i}".encode())
+    old = cluster.leader()
+    old_address, old_term = old.status()["leader"], old.term()
+    cluster.stop(old_address)
+    new = cluster.leader()
+    assert new.status()["leader"] != old_address
+    assert new.term() > old_term
+    for i in range(5):
+        cluster.propose(f"after-{i}".encode())
+    seq = cluster.wait_converged()
+    assert [x for x in seq if x.startswith(b"after-")] == [f"after-{i}".encode() for i in range(5)]
+    assert [x for x in seq if x.startswith(b"before-")] == [f"before-{i}".encode() for i in range(5)]
+
+
+def test_restart_from_journal_and_snapshot_catches_up(tmp_path):
+    # Compaction every 64 KiB of applied commands, so the journals and snapshots are exercised.
+    c = Cluster(tmp_path, raft=FAST.__class__(**{**FAST.__dict__, "compact_bytes": 64 * 1024}))
+    try:
+        c.start_all()
+        for i in range(40):
+            c.propose(f"a-{i}-".encode() + b"x" * 8000)
+        c.wait_converged()
+        follower = next(a for a, g in c.groups.items() if not g.is_leader())
+        for address in c.addresses:
+            wait_for(lambda a=address: (c.root / a.replace(":", "_") / "raft.snapshot").exists(),
+                     what=f"a snapshot on {address}")
+        snap = snapshot_file.read(c.root / follower.replace(":", "_") / "raft.snapshot")
+        assert sorted(snap.members) == sorted(c.addresses)
+        assert snap.last_entry[1] == snap.prev_entry[1] + 1
+        assert c.groups[follower].status()["log_entries"] < 40  # compacted
+
+        c.stop(follower)
+        for i in range(40):  # enough for the others to compact past the stopped follower's log
+            c.propose(f"b-{i}-".encode() + b"y" * 8000)
+        reference = c.wait_converged()
+
+        restarted = Machine()
+        c.start(follower, restarted)  # same journal dir: snapshot + journal, then the leader's log
+        seq = c.wait_converged()
+        assert seq == restarted.sequence()
+        assert restarted.restores >= 1
+        assert seq[:len(reference)] == reference
+        assert [x for x in seq if x.startswith(b"a-")] == [f"a-{i}-".encode() + b"x" * 8000 for i in range(40)]
+        assert [x for x in seq if x.startswith(b"b-")] == [f"b-{i}-".encode() + b"y" * 8000 for i in range(40)]
+    finally:
+        c.stop_all()
+
+
+def test_empty_replica_is_rebuilt_by_snapshot_install(tmp_path):
+    c = Cluster(tmp_path, raft=FAST.__class__(**{**FAST.__dict__, "compact_bytes": 32 * 1024}))
+    try:
+        c.start_all()
+        for i in range(30):
+            c.propose(f"c-{i}-".encode() + b"z" * 8000)
+        reference = c.wait_converged()
+        follower = next(a for a, g in c.groups.items() if not g.is_leader())
+        c.stop(follower)
+        fresh = Machine()
+        c.start(follower, fresh, journal_dir=tmp_path / "fresh")  # nothing on disk
+        c.propose(b"after-install")
+        seq = c.wait_converged()
+        assert fresh.restores >= 1  # the leader's log starts after index 1: a snapshot was installed
+        assert seq == reference + [b"after-install"]
+    finally:
+        c.stop_all()
+
+
+def test_applier_that_raises_is_recorded_and_the_group_goes_on(tmp_path, caplog):
+    c = Cluster(tmp_path)
+    try:
+        for address in c.addresses:
+            c.start(address, Machine(fail_on=b"boom"))
+        c.propose(b"one")
+        with caplog.at_level(logging.CRITICAL, logger="kvps.raft"):
+            result = c.propose(b"boom")
+            c.propose(b"two")
+            seq = c.wait_converged()
+        assert isinstance(result, InvalidRequest)
+        assert "RuntimeError" in result.message and result.index > 1
+        assert seq == [b"one", b"two"]
+        assert any("raised in the applier" in r.getMessage() for r in caplog.records)
+    finally:
+        c.stop_all()
+
+
+def test_each_entry_is_sent_once_with_pipelined_appends(cluster, caplog):
+    """Regression for SyncObj moving nextIndex back on every success reply (transport.py)."""
+    cluster.start_all()
+    leader = cluster.leader()
+    size, count, inflight = 64 * 1024, 60, 4
+    payload = b"p" * size
+    slots = threading.Semaphore(inflight)
+    results: list[int] = []
+
+    def done(result: Any, reason: int) -> None:
+        results.append(reason)
+        slots.release()
+
+    before = leader.transport_stats()["bytes_sent"]
+    with caplog.at_level(logging.CRITICAL, logger="pysyncobj"):
+        for _ in range(count):
+            assert slots.acquire(timeout=20)
+            leader.propose(payload, done)
+        wait_for(lambda: len(results) == count, what="all proposals answered")
+        if set(results) != {SUCCESS}:
+            pytest.skip(f"leadership changed during the run: {results}")  # not what this test checks
+        cluster.wait_converged()
+    sent = leader.transport_stats()["bytes_sent"] - before
+    assert sent < 2 * count * size * 1.1, f"leader sent {sent / (count * size):.2f}x the data"
+    assert not [r for r in caplog.records if "truncating already-applied" in r.getMessage()]
+
+
+def test_command_too_large_is_refused_before_proposing(cluster):
+    cluster.start_all()
+    leader = cluster.leader()
+    assert propose_sync(leader, b"x" * (FAST.max_command_bytes + 1)) == (None, COMMAND_TOO_LARGE)
+    # The largest allowed command commits (and is not taken down pysyncobj's chunked path).
+    big = b"y" * FAST.max_command_bytes
+    assert propose_sync(leader, big, timeout=30)[1] == SUCCESS
+    cluster.wait_converged()
+    assert all(m.sequence()[-1] == big for m in cluster.machines.values())
+
+
+def test_no_leader_fails_fast_and_stop_is_idempotent(tmp_path):
+    c = Cluster(tmp_path)  # only one of three members runs: no quorum, no leader
+    group = c.start(c.addresses[0])
+    try:
+        assert propose_sync(group, b"lonely", timeout=5) == (None, 2)  # FAIL_REASON.MISSING_LEADER
+        assert group.status()["leader"] is None and group.status()["ready"] is False
+    finally:
+        c.stop_all()
+    assert not group.tick_thread_alive()
+    group.stop()
+    assert propose_sync(group, b"late", timeout=5) == (None, GROUP_STOPPED)
+
+
+def test_stop_from_the_tick_thread_does_not_deadlock(tmp_path):
+    c = Cluster(tmp_path, n=1)
+    holder: list[ShardGroup] = []
+
+    class Stopper(Machine):
+        def apply(self, data: bytes) -> int:
+            if data == b"stop":
+                holder[0].stop()  # inside pysyncobj's tick thread: only requests the stop
+            return super().apply(data)
+
+    group = c.start(c.addresses[0], Stopper())
+    holder.append(group)
+    try:
+        wait_for(group.is_leader, what="a lone member to elect itself")
+        assert propose_sync(group, b"stop") == (1, SUCCESS)
+        wait_for(lambda: not group.tick_thread_alive(), what="the tick thread to end")
+    finally:
+        c.stop_all()
+
+
+def test_corrupt_snapshot_refuses_to_start(tmp_path):
+    journal = tmp_path / "replica"
+    journal.mkdir()
+    snap = snapshot_file.RaftSnapshot((b"\x00cmd", 7, 2), (b"\x01", 6, 2), ("127.0.0.1:1",), b"state")
+    snapshot_file.write(journal / "raft.snapshot", snap)
+    assert snapshot_file.read(journal / "raft.snapshot") == snap
+    data = bytearray((journal / "raft.snapshot").read_bytes())
+    data[-1] ^= 0xFF
+    (journal / "raft.snapshot").write_bytes(bytes(data))
+    with pytest.raises(CodecError, match="CRC"):
+        snapshot_file.read(journal / "raft.snapshot")
+    c = Cluster(tmp_path)
+    with pytest.raises(CodecError):
+        c.start(c.addresses[0], journal_dir=journal)
+    assert not c.groups
+
+
+@pytest.mark.parametrize("cut", [0, 10, 30])
+def test_truncated_snapshot_is_a_codec_error(tmp_path, cut):
+    path = tmp_path / "s"
+    snapshot_file.write(path, snapshot_file.RaftSnapshot((b"a", 2, 1), (b"b", 1, 1), (), b"x" * 100))
+    path.write_bytes(path.read_bytes()[:cut])
+    with pytest.raises(CodecError):
+        snapshot_file.read(path)
+
+
+def test_a_stalled_follower_gets_back_pressure_then_catches_up(tmp_path):
+    """The leader stops queueing entries for a follower whose queue is full, then re-sends."""
+    raft = RaftConfig(election_timeout_min=0.5, election_timeout_max=1.0, heartbeat_period=0.05,
+                      leader_fallback_timeout=1.0, connection_timeout=5.0, connection_retry=0.1,
+                      max_command_bytes=256 * 1024, max_frame_bytes=1536 * 1024)
+    c = Cluster(tmp_path, raft=raft)
+    release = threading.Event()
+
+    class Stalling(Machine):
+        def apply(self, data: bytes) -> int:
+            if data == b"stall":
+                release.wait(10)  # blocks this replica's tick thread: it stops reading its socket
+            return super().apply(data)
+
+    try:
+        c.start_all()
+        leader = c.leader()
+        follower = next(a for a, g in c.groups.items() if g is not leader)
+        c.stop(follower)
+        c.start(follower, Stalling())
+        c.propose(b"stall")
+        wait_for(lambda: c.machines[follower].sequence() == [] and c.groups[follower].status()["commit_index"] >= 2,
+                 what="the follower to stall")
+        payload = b"q" * (200 * 1024)
+        for i in range(80):  # 16 MB: more than the kernel buffers plus the 3 MiB queue cap
+            c.propose(payload + b"%d" % i)
+            if leader.transport_stats()["appends_deferred"]:
+                break
+        assert leader.transport_stats()["appends_deferred"] > 0
+        release.set()
+        seq = c.wait_converged()
+        assert c.machines[follower].sequence() == seq and seq[0] == b"stall"
+    finally:
+        release.set()
+        c.stop_all()

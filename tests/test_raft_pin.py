@@ -1,0 +1,202 @@
+"""pysyncobj is pinned to 0.3.17 and kvps/raft/ relies on some of its internals: these tests fail
+first, and say which assumption broke, when an upgrade moves one of them."""
+from __future__ import annotations
+
+import inspect
+import pickle
+import re
+from pathlib import Path
+
+import pysyncobj
+import pysyncobj.pickle
+import pysyncobj.transport
+from pysyncobj import SyncObj, SyncObjConf
+from pysyncobj.config import FAIL_REASON
+from pysyncobj.journal import FileJournal
+from pysyncobj.poller import createPoller
+from pysyncobj.serializer import Serializer
+from pysyncobj.syncobj import _COMMAND_TYPE, _RAFT_STATE
+from pysyncobj.tcp_connection import CONNECTION_STATE, TcpConnection
+from pysyncobj.transport import TCPTransport
+from pysyncobj.version import VERSION
+
+from kvps.config import RaftConfig
+from kvps.raft import group as group_module
+from kvps.raft.group import COMMAND_TOO_LARGE, GROUP_STOPPED, syncobj_options
+from kvps.raft.transport import TransportStats, _PeerConnection, _Settings
+
+
+def src(obj) -> str:
+    """Source with all whitespace runs collapsed, so formatting changes do not matter."""
+    return re.sub(r"\s+", " ", inspect.getsource(obj))
+
+
+def params(func) -> list[str]:
+    return list(inspect.signature(func).parameters)
+
+
+def test_version_is_pinned():
+    assert VERSION == "0.3.17"
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert '"pysyncobj==0.3.17"' in pyproject
+
+
+# ---- transport.py: the TCPTransport hooks we override or call ------------------------------------
+
+def test_tcp_transport_methods_we_override_or_call():
+    assert params(TCPTransport.__init__) == ["self", "syncObj", "selfNode", "otherNodes"]
+    assert params(TCPTransport._createServer) == ["self"]
+    assert params(TCPTransport.addNode) == ["self", "node"]
+    assert params(TCPTransport._onIncomingMessageReceived) == ["self", "conn", "message"]
+    assert params(TCPTransport._onMessageReceived) == ["self", "node", "message"]
+    assert params(TCPTransport._onDisconnected) == ["self", "conn"]
+    assert params(TCPTransport._onNewIncomingConnection) == ["self", "conn"]
+    assert params(TCPTransport._onOutgoingConnected) == ["self", "conn"]
+    assert params(TCPTransport._onTick) == ["self"]
+    assert params(TCPTransport.send) == ["self", "node", "message"]
+    assert params(TCPTransport._connToNode) == ["self", "conn"]
+
+
+def test_tcp_transport_state_we_use():
+    init = src(TCPTransport.__init__)
+    for needle in ("self._syncObj = syncObj", "self._server = None", "self._connections = {}",
+                   "self._unknownConnections = set()", "self._nodeAddrToNode = {}",
+                   "self._selfNode = selfNode", "self._ready = False",
+                   "self._syncObj.addOnTickCallback(self._onTick)"):
+        assert needle in init, needle
+    # addNode runs for the initial peers before _createServer (our overrides need nothing else).
+    assert init.index("self.addNode(node)") < init.index("self._createServer()")
+    # The server is only bound / unbound through these two calls.
+    assert set(re.findall(r"self\._server\.(\w+)", inspect.getsource(pysyncobj.transport))) == {"bind", "unbind"}
+    # _maybeBind retries after any exception from bind() and sets _ready on success.
+    assert "self._server.bind() except Exception" in src(TCPTransport._maybeBind)
+    # send() returns False when the connection is not CONNECTED (our pipelining bookkeeping).
+    assert "state != CONNECTION_STATE.CONNECTED: return False" in src(TCPTransport.send)
+
+
+def test_our_connection_has_everything_tcp_transport_touches():
+    source = inspect.getsource(pysyncobj.transport)
+    used = set(re.findall(r"\bconn\.(\w+)", source))
+    used |= set(re.findall(r"self\._connections\[node\]\.(\w+)", source))
+    assert used, "pattern no longer matches: re-check how TCPTransport uses connections"
+    settings = _Settings(b"s" * 32, b"ctx", 1 << 20, 0, TransportStats())
+    conn = _PeerConnection(settings, createPoller("auto"), 1.0, None)
+    missing = sorted(name for name in used if not hasattr(conn, name))
+    assert not missing, f"TCPTransport now uses connection attributes we lack: {missing}"
+    assert set(vars(CONNECTION_STATE)) >= {"DISCONNECTED", "CONNECTING", "CONNECTED"}
+    assert (CONNECTION_STATE.DISCONNECTED, CONNECTION_STATE.CONNECTING, CONNECTION_STATE.CONNECTED) == (0, 1, 2)
+
+
+def test_stock_connection_without_socket_is_inert():
+    """AuthTransport.addNode lets the stock addNode build a TcpConnection, then replaces it."""
+    conn = TcpConnection(poller=createPoller("auto"), timeout=1.0)
+    assert conn.state == CONNECTION_STATE.DISCONNECTED and conn.fileno() is None
+    add = src(TCPTransport.addNode)
+    assert "self._connections[node] = conn" in add and "TcpConnection(" in add
+    assert "self._nodeAddrToNode[node.address] = node" in add
+
+
+def test_outgoing_connected_and_incoming_first_message_paths():
+    # Without an encryptor the outgoing side names itself and reports the node connected.
+    out = src(TCPTransport._onOutgoingConnected)
+    assert "self._sendSelfAddress(conn)" in out and "self._onNodeConnected(self._connToNode(conn))" in out
+    # The first incoming message is the peer's address (a str), 'readonly', or a utility list.
+    inc = src(TCPTransport._onIncomingMessageReceived)
+    assert "isinstance(message, list) and self._onUtilityMessage(conn, message)" in inc
+    assert "self._connections[node] = conn" in inc
+    assert "conn.setOnMessageReceivedCallback(functools.partial(self._onMessageReceived, node))" in inc
+
+
+# ---- group.py: SyncObj internals ------------------------------------------------------------------
+
+def test_syncobj_methods_and_properties_we_use():
+    assert "transportClass" in params(SyncObj.__init__)
+    assert params(SyncObj._applyCommand) == ["self", "command", "callback", "commandType"]
+    assert _COMMAND_TYPE.REGULAR == 0 and _COMMAND_TYPE.MEMBERSHIP == 2
+    for name in ("_isLeader", "_getLeader", "_getTerm", "_getRaftLogSize", "_getFuncName", "isReady",
+                 "forceLogCompaction", "destroy", "destroy_synchronous", "addOnTickCallback",
+                 "isNodeConnected", "addNodeToCluster", "removeNodeFromCluster"):
+        assert callable(getattr(SyncObj, name, None)), name
+    for name in ("raftLastApplied", "raftCommitIndex", "raftCurrentTerm", "otherNodes", "conf", "encryptor"):
+        assert isinstance(inspect.getattr_static(SyncObj, name), property), name
+    init = src(SyncObj.__init__)
+    assert "self._poller = createPoller(self.__conf.pollerType)" in init
+    assert "transportClass(self, self.__selfNode, self.__otherNodes)" in init
+    assert "self._methodToID[method] = currMethodID" in init
+    assert (_RAFT_STATE.FOLLOWER, _RAFT_STATE.CANDIDATE, _RAFT_STATE.LEADER) == (0, 1, 2)
+    assert group_module._ROLES == {0: "follower", 1: "candidate", 2: "leader"}
+
+
+def test_command_format_and_apply_order():
+    """propose() sends pickle.dumps((funcID, (data,)), protocol=5) with a REGULAR type byte."""
+    apply = src(SyncObj._SyncObj__doApplyCommand)
+    assert "command = pickle.loads(command[1:])" in apply and "funcID, args = command" in apply
+    assert pysyncobj.pickle.loads(pickle.dumps((0, (b"x" * 100,)), protocol=5)) == (0, (b"x" * 100,))
+    # apply_command computes its index as raftLastApplied + 1: lastApplied moves after the call.
+    entries = src(SyncObj._SyncObj__applyLogEntries)
+    assert entries.index("self.__doApplyCommand(entry[0])") < entries.index("self.__raftLastApplied += 1")
+    # Commands are queued with the type byte prepended.
+    assert "(_bchr(commandType) + command, callback)" in src(SyncObj._applyCommand)
+    # commandsWaitLeader=False makes a proposal without a known leader fail at once.
+    check = src(SyncObj._checkCommandsToApply)
+    assert "if self.__raftLeader is None and self.__conf.commandsWaitLeader: break" in check
+    assert "self.__callErrCallback(FAIL_REASON.MISSING_LEADER, callback)" in check
+    # The journal stores commands as bytes.
+    assert "to_bytes(command)" in src(FileJournal.add)
+
+
+def test_syncobj_conf_knows_every_option_we_pass():
+    opts = syncobj_options(RaftConfig(), Path("/tmp/journal"))
+    defaults = SyncObjConf()
+    unknown = sorted(k for k in (*opts, "serializer", "deserializer", "onStateChanged") if not hasattr(defaults, k))
+    assert not unknown, f"SyncObjConf silently ignores: {unknown}"
+    SyncObjConf(**opts, serializer=lambda p, d: None, deserializer=lambda p: None).validate()
+    assert opts["appendEntriesUseBatch"] is False and opts["password"] is None
+    assert opts["appendEntriesBatchSizeBytes"] > RaftConfig().max_command_bytes
+
+
+def test_fail_reason_values():
+    values = {k: v for k, v in vars(FAIL_REASON).items() if not k.startswith("_")}
+    assert values == {"SUCCESS": 0, "QUEUE_FULL": 1, "MISSING_LEADER": 2, "DISCARDED": 3, "NOT_LEADER": 4,
+                      "LEADER_CHANGED": 5, "REQUEST_DENIED": 6, "UNKNOWN_OUTCOME": 7}
+    assert COMMAND_TOO_LARGE not in values.values() and GROUP_STOPPED not in values.values()
+
+
+def test_serializer_hooks_contract():
+    """Our serializer gets (tmpFile, (last, prev, cluster)); our deserializer returns that triple."""
+    ser = src(Serializer.serialize)
+    assert "self.__serializer(tmpFile, data[1:])" in ser
+    assert "atomicReplace(tmpFile, self.__fileName)" in ser
+    assert "self.__useFork = tryUseFork and hasattr(os, 'fork') and serializer is None" in src(Serializer.__init__)
+    assert "return (None,) + self.__deserializer(self.__fileName)" in src(Serializer.deserialize)
+    compaction = src(SyncObj._SyncObj__tryLogCompaction)
+    assert ("self.__serializer.serialize((data, lastAppliedEntries[1], lastAppliedEntries[0], cluster), "
+            "lastAppliedEntries[0][1])") in compaction
+    assert "cluster = self.__otherNodes | {self.__selfNode}" in compaction
+    assert "self.__forceLogCompaction" in compaction
+    load = src(SyncObj._SyncObj__loadDumpFile)
+    assert "self.__raftLog.add(*data[2]) self.__raftLog.add(*data[1])" in load
+    assert "self.__raftLastApplied = data[1][1]" in load
+    assert "self.__updateClusterConfiguration([node for node in data[3] if node != self.__selfNode])" in load
+    # The snapshot is sent to lagging followers in logCompactionBatchSize chunks of file bytes.
+    assert "transmission['file'].read(self.__transmissionBatchSize)" in src(Serializer.getTransmissionData)
+
+
+def test_next_index_handling_the_pipelining_fix_relies_on():
+    """transport.AuthTransport restores nextIndex with a synthetic reset reply (see its comment)."""
+    receive = src(SyncObj._SyncObj__onMessageReceived)
+    assert ("if message['type'] == 'next_node_idx': reset = message['reset'] nextNodeIdx = "
+            "message['next_node_idx'] success = message['success'] currentNodeIdx = nextNodeIdx - 1 "
+            "if reset: self.__raftNextIndex[node] = nextNodeIdx if success: "
+            "if self.__raftMatchIndex[node] < currentNodeIdx: self.__raftMatchIndex[node] = currentNodeIdx "
+            "self.__raftNextIndex[node] = nextNodeIdx") in receive
+    send = src(SyncObj._SyncObj__sendAppendEntries)
+    assert "self.__raftNextIndex[node] = entries[-1][1] + 1" in send  # optimistic advance
+    # The chunked path we keep out of reach with appendEntriesBatchSizeBytes > max_command_bytes.
+    assert "if len(entries) == 1 and len(entries[0][0]) >= batchSizeBytes:" in send
+
+
+def test_tick_thread_lifetime_we_document():
+    tick = src(SyncObj._autoTickThread)
+    assert "if not self.__mainThread.is_alive(): break" in tick
+    assert "weakref.proxy(self)" in src(SyncObj.__init__)
