@@ -50,6 +50,9 @@ async def _run_replica(config: Path, node_id: int, shard: int) -> None:
     from kvps.dataplane import make_app
     from kvps.replica import Replica
 
+    # Two busy threads share the GIL here (pysyncobj's tick thread and the event loop). With the
+    # default 5 ms switch interval every hand-off between them can stall a commit by 5 ms.
+    sys.setswitchinterval(0.0005)
     cfg = load_cluster(config)
     base = config.parent
     node = cfg.node(node_id)

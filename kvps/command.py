@@ -1,0 +1,411 @@
+"""Commands: what the Raft log carries, one frame (kind 3) per entry.
+
+Each command is a frozen dataclass with ``to_bytes()``; ``decode_command(data)`` is the inverse.
+Meta holds ``"type"`` and the small fields; arrays travel as frame buffers, never in JSON. The frame
+encoder sorts the meta's keys, so identical commands give identical bytes.
+
+Commands are validated structurally when built (``InvalidRequest``), so a leader rejects malformed
+input before proposing it, and a replica decoding a log entry applies the same checks. Whether the
+command makes sense for the state (the key exists, the shapes match) is the shard's business.
+Optimizer and initializer dicts are normalised (defaults filled in), so equal definitions are equal
+dicts.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Union
+
+import numpy as np
+
+from kvps.delta import frame
+from kvps.errors import InvalidRequest
+from kvps.initializer import initializer_from_dict, initializer_to_dict
+from kvps.optimizer import optimizer_from_dict, optimizer_to_dict
+from kvps.placement import VALUE_DTYPES, DenseLayout
+
+__all__ = [
+    "Barrier",
+    "Command",
+    "CreateKey",
+    "CreateTable",
+    "DeleteKey",
+    "DenseDelta",
+    "MERGE_MODES",
+    "Push",
+    "PushId",
+    "RowDelta",
+    "Set",
+    "decode_command",
+]
+
+MERGE_MODES = ("sum", "mean")
+MAX_KEY_CHARS = 1024
+MAX_CLIENT_CHARS = 128
+DEFAULT_MAX_COMMAND_BYTES = 1 << 30  # raw-size cap when decoding; the leader bounds commands far lower
+
+
+# ---- field checks (each raises InvalidRequest naming the field) ---------------------------------
+
+def _bad(name: str, what: str) -> InvalidRequest:
+    return InvalidRequest(f"{name} must be {what}", field=name)
+
+
+def _int(value: Any, name: str, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise _bad(name, f"an int >= {low}")
+    return int(value)
+
+
+def _str(value: Any, name: str, cap: int) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= cap:
+        raise _bad(name, f"a string of 1-{cap} characters")
+    return value
+
+
+def _time(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad("now", "a finite number")
+    return float(value)
+
+
+def _array(value: Any, name: str, kinds: str = "f") -> np.ndarray:
+    if isinstance(value, np.generic):  # a numpy scalar is a 0-d value
+        value = np.asarray(value)
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in kinds:
+        raise _bad(name, f"a numpy array of kind {kinds!r}")
+    return value
+
+
+def _float_array(value: Any, name: str) -> np.ndarray:
+    arr = _array(value, name)
+    if arr.dtype.name not in VALUE_DTYPES:
+        raise _bad(name, f"one of {VALUE_DTYPES}")
+    return arr
+
+
+def _int64_array(value: Any, name: str) -> np.ndarray:
+    arr = _array(value, name, "i")
+    if arr.dtype != np.int64 or arr.ndim != 1:
+        raise _bad(name, "a 1-d int64 array")
+    return arr
+
+
+def _blocks(value: Any) -> tuple[tuple[int, np.ndarray], ...]:
+    if not isinstance(value, (tuple, list)):
+        raise _bad("blocks", "a sequence of (block, array)")
+    out = []
+    for item in value:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise _bad("blocks", "a sequence of (block, array)")
+        out.append((_int(item[0], "block"), _float_array(item[1], "blocks")))
+    if len({b for b, _ in out}) != len(out):
+        raise InvalidRequest("a block appears twice", field="blocks")
+    return tuple(out)
+
+
+def _set_fields(obj: Any, **values: Any) -> None:
+    for name, value in values.items():
+        object.__setattr__(obj, name, value)  # frozen dataclasses: store normalised fields
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Field equality where arrays compare by dtype, shape and bytes (bit-exact, NaN-safe)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+                and a.shape == b.shape and a.tobytes() == b.tobytes())
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, _Base) and isinstance(b, _Base):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+class _Base:
+    """Structural equality for dataclasses holding arrays (dataclass eq would compare arrays
+    elementwise and fail)."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        names = [f.name for f in fields(self)]  # type: ignore[arg-type]
+        return all(_same(getattr(self, n), getattr(other, n)) for n in names)
+
+
+# ---- commands -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class CreateKey(_Base):
+    """Create dense ``key``; ``blocks`` are the (block, initial value) pairs this shard owns."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    block_rows: int
+    optimizer: dict
+    merge: str
+    blocks: tuple[tuple[int, np.ndarray], ...]
+
+    def __post_init__(self) -> None:
+        _str(self.key, "key", MAX_KEY_CHARS)
+        layout = DenseLayout(self.shape, self.dtype, self.block_rows)  # validates all three
+        if self.merge not in MERGE_MODES:
+            raise _bad("merge", f"one of {MERGE_MODES}")
+        blocks = _blocks(self.blocks)
+        for b, arr in blocks:
+            if not b < layout.n_blocks:
+                raise InvalidRequest(f"block {b} out of range [0, {layout.n_blocks})", field="blocks")
+            if arr.dtype.name != self.dtype or arr.shape != layout.block_shape(b):
+                raise InvalidRequest(f"block {b} is {arr.dtype}{list(arr.shape)}, expected "
+                                     f"{self.dtype}{list(layout.block_shape(b))}", field="blocks")
+        _set_fields(self, shape=layout.shape, blocks=blocks,
+                    optimizer=optimizer_to_dict(optimizer_from_dict(self.optimizer)))
+
+    @property
+    def layout(self) -> DenseLayout:
+        return DenseLayout(self.shape, self.dtype, self.block_rows)
+
+    def to_bytes(self) -> bytes:
+        meta = {"type": "create_key", "key": self.key, "shape": list(self.shape), "dtype": self.dtype,
+                "block_rows": self.block_rows, "optimizer": self.optimizer, "merge": self.merge,
+                "blocks": [b for b, _ in self.blocks]}
+        return _encode(meta, [arr for _, arr in self.blocks])
+
+
+@dataclass(frozen=True, eq=False)
+class CreateTable(_Base):
+    key: str
+    dim: int
+    dtype: str
+    optimizer: dict
+    init: dict
+    merge: str
+
+    def __post_init__(self) -> None:
+        _str(self.key, "key", MAX_KEY_CHARS)
+        _int(self.dim, "dim", 1)
+        if self.dtype not in VALUE_DTYPES:
+            raise _bad("dtype", f"one of {VALUE_DTYPES}")
+        if self.merge not in MERGE_MODES:
+            raise _bad("merge", f"one of {MERGE_MODES}")
+        _set_fields(self, dim=int(self.dim),
+                    optimizer=optimizer_to_dict(optimizer_from_dict(self.optimizer)),
+                    init=initializer_to_dict(initializer_from_dict(self.init)))
+
+    def to_bytes(self) -> bytes:
+        return _encode({"type": "create_table", "key": self.key, "dim": self.dim, "dtype": self.dtype,
+                        "optimizer": self.optimizer, "init": self.init, "merge": self.merge})
+
+
+@dataclass(frozen=True, eq=False)
+class DeleteKey(_Base):
+    key: str
+
+    def __post_init__(self) -> None:
+        _str(self.key, "key", MAX_KEY_CHARS)
+
+    def to_bytes(self) -> bytes:
+        return _encode({"type": "delete_key", "key": self.key})
+
+
+@dataclass(frozen=True, eq=False)
+class PushId(_Base):
+    """One client push merged into a ``Push``. ``floor``: the lowest seq the client still waits
+    for (results below it may be forgotten); ``keys``: the keys it touched on this shard."""
+
+    client: str
+    seq: int
+    floor: int
+    keys: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _str(self.client, "client", MAX_CLIENT_CHARS)
+        seq, floor = _int(self.seq, "seq"), _int(self.floor, "floor")
+        if floor > seq:
+            raise InvalidRequest("floor must be <= seq (the client still waits for seq)", field="floor")
+        if not isinstance(self.keys, (tuple, list)):
+            raise _bad("keys", "a sequence of keys")
+        _set_fields(self, seq=seq, floor=floor,
+                    keys=tuple(_str(k, "keys", MAX_KEY_CHARS) for k in self.keys))
+
+
+@dataclass(frozen=True, eq=False)
+class DenseDelta(_Base):
+    key: str
+    block: int
+    grad: np.ndarray  # the block's shape and dtype
+    count: int  # pushes summed into grad
+
+    def __post_init__(self) -> None:
+        _str(self.key, "key", MAX_KEY_CHARS)
+        _set_fields(self, block=_int(self.block, "block"), count=_int(self.count, "count", 1),
+                    grad=_float_array(self.grad, "grad"))
+
+
+@dataclass(frozen=True, eq=False)
+class RowDelta(_Base):
+    key: str
+    ids: np.ndarray  # (n,) int64, sorted, unique
+    grads: np.ndarray  # (n, dim)
+    counts: np.ndarray  # (n,) int64 >= 1: pushes summed into each row
+
+    def __post_init__(self) -> None:
+        _str(self.key, "key", MAX_KEY_CHARS)
+        ids = _int64_array(self.ids, "ids")
+        counts = _int64_array(self.counts, "counts")
+        grads = _float_array(self.grads, "grads")
+        if grads.ndim != 2 or grads.shape[0] != len(ids) or len(counts) != len(ids):
+            raise InvalidRequest("ids (n,), grads (n, dim) and counts (n,) disagree", field="grads")
+        if len(ids) > 1 and not bool(np.all(ids[1:] > ids[:-1])):
+            raise _bad("ids", "sorted and unique")
+        if len(counts) and int(counts.min()) < 1:
+            raise _bad("counts", ">= 1")
+
+
+@dataclass(frozen=True, eq=False)
+class Push(_Base):
+    """Merged gradients of one or more client pushes; ``now`` is the leader's wall time."""
+
+    now: float
+    pushes: tuple[PushId, ...]
+    dense: tuple[DenseDelta, ...]
+    rows: tuple[RowDelta, ...]
+
+    def __post_init__(self) -> None:
+        for name, cls in (("pushes", PushId), ("dense", DenseDelta), ("rows", RowDelta)):
+            items = getattr(self, name)
+            if not isinstance(items, (tuple, list)) or not all(isinstance(x, cls) for x in items):
+                raise _bad(name, f"a sequence of {cls.__name__}")
+            _set_fields(self, **{name: tuple(items)})
+        _set_fields(self, now=_time(self.now))
+        if not self.pushes:
+            raise InvalidRequest("a push entry names at least one push id", field="pushes")
+        if len({(p.client, p.seq) for p in self.pushes}) != len(self.pushes):
+            raise InvalidRequest("a push id appears twice in one entry", field="pushes")
+
+    def to_bytes(self) -> bytes:
+        arrays: list[np.ndarray] = [d.grad for d in self.dense]
+        for r in self.rows:
+            arrays += [r.ids, r.grads, r.counts]
+        meta = {"type": "push", "now": self.now,
+                "pushes": [[p.client, p.seq, p.floor, list(p.keys)] for p in self.pushes],
+                "dense": [[d.key, d.block, d.count] for d in self.dense],
+                "rows": [r.key for r in self.rows]}
+        return _encode(meta, arrays)
+
+
+@dataclass(frozen=True, eq=False)
+class Set(_Base):
+    """Compare-and-set of the blocks this shard owns; deduplicated by (client, seq) like a push."""
+
+    now: float
+    client: str
+    seq: int
+    floor: int
+    key: str
+    blocks: tuple[tuple[int, np.ndarray], ...]
+    expected_version: int | None
+
+    def __post_init__(self) -> None:
+        pid = PushId(self.client, self.seq, self.floor, (self.key,))  # same id rules as a push
+        ev = self.expected_version
+        _set_fields(self, now=_time(self.now), seq=pid.seq, floor=pid.floor,
+                    key=_str(self.key, "key", MAX_KEY_CHARS), blocks=_blocks(self.blocks),
+                    expected_version=None if ev is None else _int(ev, "expected_version"))
+
+    @property
+    def push_id(self) -> PushId:
+        return PushId(self.client, self.seq, self.floor, (self.key,))
+
+    def to_bytes(self) -> bytes:
+        meta = {"type": "set", "now": self.now, "client": self.client, "seq": self.seq,
+                "floor": self.floor, "key": self.key, "blocks": [b for b, _ in self.blocks],
+                "expected_version": self.expected_version}
+        return _encode(meta, [arr for _, arr in self.blocks])
+
+
+@dataclass(frozen=True, eq=False)
+class Barrier(_Base):
+    """No state change: a new leader's first entry, and the linearizable-read barrier."""
+
+    term: int
+    replica: str
+
+    def __post_init__(self) -> None:
+        _set_fields(self, term=_int(self.term, "term"))
+        if not isinstance(self.replica, str):
+            raise _bad("replica", "a string")
+
+    def to_bytes(self) -> bytes:
+        return _encode({"type": "barrier", "term": self.term, "replica": self.replica})
+
+
+Command = Union[CreateKey, CreateTable, DeleteKey, Push, Set, Barrier]
+
+
+# ---- encoding -----------------------------------------------------------------------------------
+
+def _encode(meta: dict, arrays: list[np.ndarray] = ()) -> bytes:  # type: ignore[assignment]
+    return frame.encode(frame.KIND_COMMAND, meta, arrays)
+
+
+def _take(arrays: tuple[np.ndarray, ...], n: int, at: list[int]) -> list[np.ndarray]:
+    """The next ``n`` arrays (``at`` is a one-element cursor)."""
+    start = at[0]
+    if start + n > len(arrays):
+        raise InvalidRequest("command names more arrays than it carries")
+    at[0] = start + n
+    return list(arrays[start:start + n])
+
+
+def _decode_push(m: dict, arrays: tuple) -> Push:
+    at = [0]
+    pushes = tuple(PushId(c, s, f, tuple(k)) for c, s, f, k in m["pushes"])
+    grads = _take(arrays, len(m["dense"]), at)
+    dense = tuple(DenseDelta(k, b, g, c) for (k, b, c), g in zip(m["dense"], grads))
+    rows = tuple(RowDelta(k, *_take(arrays, 3, at)) for k in m["rows"])
+    if at[0] != len(arrays):
+        raise InvalidRequest("command carries unnamed arrays")
+    return Push(m["now"], pushes, dense, rows)
+
+
+def _decode_blocks(m: dict, arrays: tuple) -> tuple[tuple[int, np.ndarray], ...]:
+    ids = m["blocks"]
+    if not isinstance(ids, list) or len(ids) != len(arrays):
+        raise InvalidRequest("block ids and arrays disagree")
+    return tuple(zip(ids, arrays))
+
+
+def _decode(m: dict, arrays: tuple) -> Any:
+    kind = m["type"]
+    if kind == "push":
+        return _decode_push(m, arrays)
+    if kind == "create_key":
+        return CreateKey(m["key"], tuple(m["shape"]), m["dtype"], m["block_rows"], m["optimizer"],
+                         m["merge"], _decode_blocks(m, arrays))
+    if kind == "set":
+        return Set(m["now"], m["client"], m["seq"], m["floor"], m["key"], _decode_blocks(m, arrays),
+                   m["expected_version"])
+    if arrays:
+        raise InvalidRequest(f"a {kind!r} command carries no arrays")
+    if kind == "create_table":
+        return CreateTable(m["key"], m["dim"], m["dtype"], m["optimizer"], m["init"], m["merge"])
+    if kind == "delete_key":
+        return DeleteKey(m["key"])
+    if kind == "barrier":
+        return Barrier(m["term"], m["replica"])
+    raise InvalidRequest(f"unknown command type {kind!r}")
+
+
+def decode_command(data: bytes, *, max_raw_bytes: int = DEFAULT_MAX_COMMAND_BYTES) -> Command:
+    """The command in ``data``: ``CodecError`` for a bad frame, ``InvalidRequest`` for bad content.
+
+    Arrays in the result are read-only views of ``data``.
+    """
+    f = frame.decode(data, max_raw_bytes=max_raw_bytes, kinds=(frame.KIND_COMMAND,))
+    try:
+        return _decode(f.meta, f.arrays)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # missing fields, wrong shapes of meta
+        raise InvalidRequest(f"malformed command: {exc!r}") from exc

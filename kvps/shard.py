@@ -1,0 +1,456 @@
+"""The shard state machine: the versioned keys of one shard, and the applied table.
+
+``apply(command) -> result`` is deterministic and never raises (pysyncobj re-applies a raising entry
+forever): domain errors come back as ``KvpsError`` values, and every handler validates everything
+before it mutates anything, so a rejected command leaves the state — and ``state_hash()`` — as it
+was. Reads (``describe``, ``read_blocks``, ``read_rows``, ...) and the leader's pre-checks
+(``check_push``, ``check_set``) are not part of apply and raise or return errors as documented.
+
+Dense blocks are immutable arrays inside immutable ``Block`` records replaced on update: a reader
+may keep a reference without a lock. Table rows are updated in place (see ``kvps.table``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvps.applied import AppliedTable, Result
+from kvps.command import Barrier, Command, CreateKey, CreateTable, DeleteKey, Push, PushId, Set
+from kvps.delta import frame
+from kvps.errors import (
+    CodecError, InvalidRequest, KeyExists, KeyNotFound, KvpsError, ShapeMismatch, Unavailable,
+    VersionConflict,
+)
+from kvps.merge import PushRequest, is_finite
+from kvps.optimizer import optimizer_from_dict
+from kvps.placement import DenseLayout
+from kvps.table import Table
+
+__all__ = ["Block", "DenseKey", "ShardState"]
+
+SNAPSHOT_FORMAT = 1
+DEFAULT_MAX_SNAPSHOT_BYTES = 1 << 40  # a snapshot is our own (checksummed) data; only sanity-capped
+
+
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    arr.flags.writeable = False
+    return arr
+
+
+def _spec(arr: np.ndarray) -> dict:
+    return {"shape": list(arr.shape), "dtype": arr.dtype.name}
+
+
+@dataclass(frozen=True, eq=False)
+class Block:
+    value: np.ndarray  # read-only, the block's shape and the key's dtype
+    version: int  # updates applied (a merged push of k counts k, a set counts 1)
+    step: int  # optimizer steps applied (one per applied entry)
+    state: dict[str, np.ndarray]  # optimizer state, read-only arrays shaped like value
+
+
+class DenseKey:
+    kind = "dense"
+
+    def __init__(self, key: str, layout: DenseLayout, optimizer: dict, merge: str) -> None:
+        self.key = key
+        self.layout = layout
+        self.optimizer_dict = optimizer
+        self.optimizer = optimizer_from_dict(optimizer)
+        self.merge = merge
+        self.blocks: dict[int, Block] = {}
+
+    def definition(self) -> dict:
+        lay = self.layout
+        return {"kind": self.kind, "shape": list(lay.shape), "dtype": lay.dtype,
+                "block_rows": lay.block_rows, "optimizer": self.optimizer_dict, "merge": self.merge}
+
+    def version(self) -> int:
+        return max((b.version for b in self.blocks.values()), default=0)
+
+    def new_block(self, value: np.ndarray) -> Block:
+        value = _frozen(np.array(value, dtype=self.layout.dtype, copy=True))
+        state = {k: _frozen(v) for k, v in self.optimizer.init_state(value).items()}
+        return Block(value, 0, 0, state)
+
+    def check_block(self, block: Any, arr: Any) -> KvpsError | None:
+        """Is ``arr`` a valid gradient / value for ``block`` of this key on this shard?"""
+        if not isinstance(arr, np.ndarray):
+            return InvalidRequest(f"block {block!r} of {self.key!r}: not an array", key=self.key)
+        is_int = isinstance(block, (int, np.integer)) and not isinstance(block, bool)
+        current = self.blocks.get(int(block)) if is_int else None
+        if current is None:
+            return InvalidRequest(f"block {block!r} of {self.key!r} is not on this shard",
+                                  key=self.key, block=block if isinstance(block, int) else None)
+        if arr.shape != current.value.shape or arr.dtype != current.value.dtype:
+            return ShapeMismatch(f"block {block} of {self.key!r} is {current.value.dtype}"
+                                 f"{list(current.value.shape)}, got {arr.dtype}{list(arr.shape)}",
+                                 key=self.key, block=block, expected=_spec(current.value),
+                                 actual=_spec(arr))
+        return None
+
+    def step_block(self, block: int, grad: np.ndarray, count: int) -> Block:
+        old = self.blocks[block]
+        value, state = self.optimizer.step(old.value, grad, old.state, old.step + 1)
+        value = _frozen(np.asarray(value, dtype=self.layout.dtype))
+        state = {k: _frozen(np.asarray(v, dtype=self.layout.dtype)) for k, v in state.items()}
+        return Block(value, old.version + count, old.step + 1, state)
+
+    def snapshot_parts(self) -> tuple[dict, list[np.ndarray]]:
+        names = self.optimizer.state_names()
+        blocks = [(b, self.blocks[b]) for b in sorted(self.blocks)]
+        arrays = [a for _, blk in blocks for a in (blk.value, *(blk.state[n] for n in names))]
+        meta = {"key": self.key, **self.definition(),
+                "blocks": [[b, blk.version, blk.step] for b, blk in blocks]}
+        return meta, arrays
+
+    @classmethod
+    def from_snapshot(cls, meta: dict, arrays: list[np.ndarray]) -> tuple["DenseKey", int]:
+        """The key ``snapshot_parts`` described, and how many arrays it used (ValueError if bad)."""
+        cmd = CreateKey(meta["key"], tuple(meta["shape"]), meta["dtype"], meta["block_rows"],
+                        meta["optimizer"], meta["merge"], ())  # validates the definition
+        entry = cls(cmd.key, cmd.layout, cmd.optimizer, cmd.merge)
+        names = entry.optimizer.state_names()
+        at = 0
+        for b, version, step in meta["blocks"]:
+            value, *state = arrays[at:at + 1 + len(names)]
+            at += 1 + len(names)
+            shape = cmd.layout.block_shape(b)
+            if len(state) != len(names) or any(a.shape != shape or a.dtype.name != cmd.dtype
+                                               for a in (value, *state)):
+                raise ValueError(f"block {b} of {cmd.key!r} has the wrong shape")
+            entry.blocks[int(b)] = Block(_frozen(value.copy()), int(version), int(step),
+                                         {n: _frozen(a.copy()) for n, a in zip(names, state)})
+        return entry, at
+
+
+Entry = DenseKey | Table
+
+
+class ShardState:
+    def __init__(self, shard: int, *, session_ttl: float = 3600.0, dedup: bool = True) -> None:
+        self.shard = shard
+        self.session_ttl = float(session_ttl)
+        # False is a debug switch (the chaos harness proves it catches double applies): no
+        # duplicate check and no results recorded.
+        self.dedup = dedup
+        self._keys: dict[str, Entry] = {}
+        self._applied = AppliedTable(self.session_ttl)
+
+    # ---- apply ------------------------------------------------------------------------------
+
+    def apply(self, cmd: Command) -> Any:
+        """Apply one committed command; the result or a ``KvpsError`` value, never an exception."""
+        handler = _HANDLERS.get(type(cmd))
+        if handler is None:
+            return InvalidRequest(f"not a command: {type(cmd).__name__}")
+        try:
+            with np.errstate(all="ignore"):  # overflow in a user's gradient is their business
+                return handler(self, cmd)
+        except KvpsError as exc:  # handlers raise only before they mutate
+            return exc
+        except Exception as exc:  # noqa: BLE001 - a raising apply would be re-applied forever
+            return InvalidRequest(f"could not apply {type(cmd).__name__}: {exc!r}")
+
+    def _create_key(self, cmd: CreateKey) -> dict:
+        """Create the key, or add blocks it lacks: a client may split one key's create into several
+        commands per shard. Blocks already here keep their value (a retried create is a no-op).
+        ``created``: whether this command created the key or any block."""
+        entry = DenseKey(cmd.key, cmd.layout, cmd.optimizer, cmd.merge)
+        existing = self._keys.get(cmd.key)
+        if existing is not None:
+            if existing.definition() != entry.definition():
+                raise KeyExists(f"key {cmd.key!r} exists with another definition", key=cmd.key)
+            entry = existing  # type: ignore[assignment]
+        for b, arr in cmd.blocks:
+            if not 0 <= b < cmd.layout.n_blocks or arr.shape != cmd.layout.block_shape(b):
+                raise InvalidRequest(f"block {b} does not fit key {cmd.key!r}", key=cmd.key, block=b)
+        new = {b: entry.new_block(arr) for b, arr in cmd.blocks if b not in entry.blocks}
+        if existing is None or new:
+            entry.blocks = dict(sorted({**entry.blocks, **new}.items()))
+            self._keys[cmd.key] = entry
+        return {"created": existing is None or bool(new)}
+
+    def _create_table(self, cmd: CreateTable) -> dict:
+        entry = Table(cmd.key, cmd.dim, cmd.dtype, cmd.optimizer, cmd.init, cmd.merge)
+        if cmd.key not in self._keys:
+            self._keys[cmd.key] = entry
+            return {"created": True}
+        if self._keys[cmd.key].definition() == entry.definition():
+            return {"created": False}
+        raise KeyExists(f"key {cmd.key!r} exists with another definition", key=cmd.key)
+
+    def _delete_key(self, cmd: DeleteKey) -> dict:
+        return {"deleted": self._keys.pop(cmd.key, None) is not None}
+
+    def _barrier(self, cmd: Barrier) -> dict:
+        return {"barrier": cmd.term}
+
+    def _push(self, cmd: Push) -> dict:
+        if self.dedup:
+            found = {(p.client, p.seq): self._applied.lookup(p.client, p.seq) for p in cmd.pushes}
+            if any(r is not None for r in found.values()):
+                # Impossible after the new-leader barrier; checked anyway. Applying part of a
+                # merged entry is impossible, so the honest ids are asked to retry.
+                return {"results": {pid: r if r is not None else
+                                    Unavailable("duplicate in merged entry; retry", client=pid[0], seq=pid[1])
+                                    for pid, r in found.items()}}
+        bad = self._push_errors(cmd)
+        if bad:
+            return {"results": _rejected(cmd.pushes, bad)}
+        dense = [(self._keys[d.key], d.block, self._keys[d.key].step_block(d.block, d.grad, d.count))
+                 for d in cmd.dense]  # type: ignore[union-attr]
+        rows = [(self._keys[r.key], self._keys[r.key].plan(r.ids, r.grads, r.counts))  # type: ignore[union-attr]
+                for r in cmd.rows]
+        for entry, b, block in dense:  # commit: nothing below can fail on bad input
+            entry.blocks[b] = block
+        for table, update in rows:
+            table.commit(update)
+        results: dict[tuple[str, int], Result] = {}
+        for p in cmd.pushes:
+            results[(p.client, p.seq)] = {"versions": {k: self._version(k) for k in p.keys}}
+        if self.dedup:
+            self._applied.record([(p.client, p.seq, p.floor, results[(p.client, p.seq)])
+                                  for p in cmd.pushes], cmd.now)
+        return {"results": results}
+
+    def _push_errors(self, cmd: Push) -> dict[str, KvpsError]:
+        """The first error per bad key of ``cmd`` (empty: everything fits)."""
+        bad: dict[str, KvpsError] = {}
+        seen: set = set()
+        for d in cmd.dense:
+            err = self._dense_error(d.key, d.block, d.grad, seen)
+            if err is not None:
+                bad.setdefault(d.key, err)
+        for r in cmd.rows:
+            err = self._rows_error(r.key, r.ids, r.grads, seen)
+            if err is not None:
+                bad.setdefault(r.key, err)
+        for key in sorted({k for p in cmd.pushes for k in p.keys} - set(self._keys)):
+            bad.setdefault(key, KeyNotFound(f"no key {key!r} on shard {self.shard}", key=key))
+        return bad
+
+    def _dense_error(self, key: str, block: Any, grad: Any, seen: set) -> KvpsError | None:
+        err = self._kind_error(key, "dense")
+        if err is None and (key, block) in seen:
+            err = InvalidRequest(f"block {block} of {key!r} appears twice", key=key)
+        seen.add((key, block))
+        return err or self._keys[key].check_block(block, grad)  # type: ignore[union-attr]
+
+    def _rows_error(self, key: str, ids: Any, grads: Any, seen: set | None) -> KvpsError | None:
+        """``seen`` None: the table may appear more than once (a client push; merge sums them)."""
+        err = self._kind_error(key, "table")
+        if err is None and seen is not None and key in seen:
+            err = InvalidRequest(f"table {key!r} appears twice", key=key)
+        if err is None and (not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.ndim != 1):
+            err = InvalidRequest("row ids must be a 1-d int64 array", key=key)
+        if seen is not None:
+            seen.add(key)
+        return err or self._keys[key].check_rows(ids, grads)  # type: ignore[union-attr]
+
+    def _kind_error(self, key: str, kind: str) -> KvpsError | None:
+        entry = self._keys.get(key)
+        if entry is None:
+            return KeyNotFound(f"no key {key!r} on shard {self.shard}", key=key)
+        if entry.kind != kind:
+            return InvalidRequest(f"{key!r} is a {entry.kind} key, not a {kind} one", key=key)
+        return None
+
+    def _set(self, cmd: Set) -> Any:
+        if self.dedup:
+            done = self._applied.lookup(cmd.client, cmd.seq)
+            if done is not None:
+                return done
+        err = self.check_set(cmd, nonfinite="allow")
+        if err is not None:
+            return err
+        entry: DenseKey = self._keys[cmd.key]  # type: ignore[assignment]
+        if cmd.expected_version is not None:
+            for b, _ in cmd.blocks:
+                actual = entry.blocks[b].version
+                if actual != cmd.expected_version:
+                    return VersionConflict(f"{cmd.key!r} block {b} is at version {actual}, "
+                                           f"expected {cmd.expected_version}", key=cmd.key, block=b,
+                                           expected=cmd.expected_version, actual=actual)
+        new = {}
+        for b, arr in cmd.blocks:
+            old = entry.blocks[b]  # the optimizer state carries over, as in torch after a copy_
+            new[b] = Block(_frozen(np.array(arr, copy=True)), old.version + 1, old.step, old.state)
+        entry.blocks.update(new)
+        result = {"versions": {cmd.key: entry.version()}}
+        if self.dedup:
+            self._applied.record([(cmd.client, cmd.seq, cmd.floor, result)], cmd.now)
+        return result
+
+    def _version(self, key: str) -> int:
+        entry = self._keys[key]
+        return entry.version() if isinstance(entry, DenseKey) else entry.max_version
+
+    # ---- reads --------------------------------------------------------------------------------
+
+    def _entry(self, key: str, kind: str | None = None) -> Entry:
+        entry = self._keys.get(key)
+        if entry is None:
+            raise KeyNotFound(f"no key {key!r} on shard {self.shard}", key=key)
+        if kind is not None and entry.kind != kind:
+            raise InvalidRequest(f"{key!r} is a {entry.kind} key, not a {kind} one", key=key)
+        return entry
+
+    def describe(self, key: str) -> dict | None:
+        entry = self._keys.get(key)
+        if entry is None:
+            return None
+        info = {"key": key, "kind": entry.kind, "dtype": entry.definition()["dtype"],
+                "optimizer": entry.optimizer_dict, "merge": entry.merge, "version": self._version(key)}
+        if isinstance(entry, DenseKey):
+            return {**info, "shape": list(entry.layout.shape), "block_rows": entry.layout.block_rows,
+                    "blocks": sorted(entry.blocks)}
+        return {**info, "dim": entry.dim, "init": entry.init_dict, "rows": entry.n}
+
+    def keys(self) -> list[dict]:
+        return [self.describe(k) for k in sorted(self._keys)]  # type: ignore[misc]
+
+    def merge_mode(self, key: str) -> str:
+        return self._entry(key).merge
+
+    def read_blocks(self, key: str, blocks: list[int]) -> list[tuple[int, np.ndarray]]:
+        """(version, value) per block; values are read-only and never change (safe to keep)."""
+        entry: DenseKey = self._entry(key, "dense")  # type: ignore[assignment]
+        out = []
+        for b in blocks:
+            block = entry.blocks.get(b)
+            if block is None:
+                raise InvalidRequest(f"block {b!r} of {key!r} is not on shard {self.shard}", key=key)
+            out.append((block.version, block.value))
+        return out
+
+    def block_versions(self, key: str, blocks: list[int]) -> list[int]:
+        return [v for v, _ in self.read_blocks(key, blocks)]
+
+    def read_rows(self, key: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        table: Table = self._entry(key, "table")  # type: ignore[assignment]
+        if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu" or ids.ndim != 1:
+            raise InvalidRequest("row ids must be a 1-d integer array", key=key)
+        return table.read(ids.astype(np.int64))
+
+    def lookup_push(self, client: str, seq: int) -> Result | None:
+        return self._applied.lookup(client, seq) if self.dedup else None
+
+    # ---- leader pre-checks (the same rules apply re-checks) ------------------------------------
+
+    def check_push(self, req: PushRequest, nonfinite: str = "reject") -> KvpsError | None:
+        try:
+            PushId(req.client, req.seq, req.floor, req.keys())
+        except InvalidRequest as exc:
+            return exc
+        if not req.dense and not req.rows:
+            return InvalidRequest("empty push")
+        seen: set = set()
+        for key, block, grad in req.dense:
+            err = self._dense_error(key, block, grad, seen)
+            if err is not None:
+                return err
+        for key, ids, grads in req.rows:
+            err = self._rows_error(key, ids, grads, None)
+            if err is not None:
+                return err
+        if nonfinite == "reject" and not is_finite(req):
+            return InvalidRequest("gradient contains NaN or Inf", client=req.client, seq=req.seq)
+        return None
+
+    def check_set(self, cmd: Set, nonfinite: str = "reject") -> KvpsError | None:
+        err = self._kind_error(cmd.key, "dense")
+        if err is not None:
+            return err
+        if not cmd.blocks:
+            return InvalidRequest("a set names at least one block", key=cmd.key)
+        entry: DenseKey = self._keys[cmd.key]  # type: ignore[assignment]
+        for b, arr in cmd.blocks:
+            err = entry.check_block(b, arr)
+            if err is not None:
+                return err
+            if nonfinite == "reject" and not bool(np.isfinite(arr).all()):
+                return InvalidRequest("value contains NaN or Inf", key=cmd.key, block=b)
+        return None
+
+    # ---- snapshot -------------------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        """Deterministic bytes: keys sorted, blocks and rows in order, the applied table included."""
+        metas, arrays = [], []
+        for key in sorted(self._keys):
+            meta, arrs = self._keys[key].snapshot_parts()
+            metas.append(meta)
+            arrays += arrs
+        sessions = json.dumps(self._applied.to_json(), sort_keys=True, separators=(",", ":"))
+        # The applied table can be large: it travels as a buffer, not in the (capped) meta.
+        arrays.append(np.frombuffer(sessions.encode("utf-8"), dtype=np.uint8))
+        meta = {"format": SNAPSHOT_FORMAT, "shard": self.shard, "session_ttl": self.session_ttl,
+                "dedup": self.dedup, "keys": metas}
+        return frame.encode(frame.KIND_SNAPSHOT, meta, arrays)
+
+    @classmethod
+    def restore(cls, data: bytes, *, session_ttl: float | None = None, dedup: bool | None = None,
+                max_raw_bytes: int = DEFAULT_MAX_SNAPSHOT_BYTES) -> "ShardState":
+        """The state ``snapshot()`` wrote (``CodecError`` on anything else). ``session_ttl`` and
+        ``dedup`` default to the snapshot's."""
+        f = frame.decode(data, max_raw_bytes=max_raw_bytes, kinds=(frame.KIND_SNAPSHOT,))
+        try:
+            return cls._from_frame(f, session_ttl, dedup)
+        except (KvpsError, KeyError, TypeError, ValueError, IndexError) as exc:
+            raise CodecError(f"corrupt snapshot: {exc!r}") from exc
+
+    @classmethod
+    def _from_frame(cls, f: frame.Frame, session_ttl: float | None, dedup: bool | None) -> "ShardState":
+        m = f.meta
+        if m["format"] != SNAPSHOT_FORMAT:
+            raise ValueError(f"unknown snapshot format {m['format']!r}")
+        state = cls(int(m["shard"]), session_ttl=m["session_ttl"] if session_ttl is None else session_ttl,
+                    dedup=bool(m["dedup"]) if dedup is None else dedup)
+        arrays = list(f.arrays)
+        at = 0
+        for meta in m["keys"]:
+            entry, used = _entry_from_parts(meta, arrays[at:])
+            state._keys[meta["key"]] = entry
+            at += used
+        if at != len(arrays) - 1:
+            raise ValueError("snapshot carries unnamed arrays")
+        state._applied.load_json(json.loads(arrays[-1].tobytes().decode("utf-8")))
+        return state
+
+    def state_hash(self) -> str:
+        return hashlib.blake2b(self.snapshot(), digest_size=32).hexdigest()
+
+
+def _rejected(pushes: tuple[PushId, ...], bad: dict[str, KvpsError]) -> dict:
+    """Results for an entry that applies nothing: ids naming a bad key get its error, the others
+    (innocent, merged with them) a retryable error. Nothing is recorded."""
+    culprits = {(p.client, p.seq): next((bad[k] for k in p.keys if k in bad), None) for p in pushes}
+    if all(e is None for e in culprits.values()):  # no id names the bad key: blame the entry
+        first = next(iter(bad.values()))
+        return {pid: first for pid in culprits}
+    return {pid: err if err is not None else
+            Unavailable("merged entry rejected because of another push; retry", client=pid[0], seq=pid[1])
+            for pid, err in culprits.items()}
+
+
+def _entry_from_parts(meta: dict, arrays: list[np.ndarray]) -> tuple[Entry, int]:
+    if meta["kind"] == "table":
+        return Table.from_snapshot(meta, arrays)
+    if meta["kind"] == "dense":
+        return DenseKey.from_snapshot(meta, arrays)
+    raise ValueError(f"unknown key kind {meta['kind']!r}")
+
+
+_HANDLERS = {
+    CreateKey: ShardState._create_key,
+    CreateTable: ShardState._create_table,
+    DeleteKey: ShardState._delete_key,
+    Push: ShardState._push,
+    Set: ShardState._set,
+    Barrier: ShardState._barrier,
+}
