@@ -54,7 +54,7 @@ class ClientStats:
 @dataclass(frozen=True)
 class RetryPolicy:
     base: float = 0.02        # first back-off (s)
-    cap: float = 0.5          # longest back-off (s)
+    cap: float = 0.25         # longest back-off (s): an election takes ~0.5 s, do not sleep through it
     refresh_every: int = 4    # refetch the cluster map after this many failed attempts on a shard
 
 

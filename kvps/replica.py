@@ -168,6 +168,11 @@ class Replica:
         deadline = time.monotonic() + self.cfg.server.barrier_wait
         while True:
             if not self.group.is_leader():
+                if self.group.leader_address() is None and time.monotonic() < deadline:
+                    # An election is under way: hold the request until it is decided, so the
+                    # client learns the new leader from our hint instead of backing off blindly.
+                    await asyncio.sleep(0.01)
+                    continue
                 raise self._not_leader()
             if self._serving_term == self.group.term():
                 return
