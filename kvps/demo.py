@@ -8,6 +8,7 @@ acknowledged push is counted exactly once and that the loss still fell.
 """
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import signal
 import sys
@@ -44,6 +45,7 @@ def _worker(rank: int, endpoints: list[str], token: str, seed: int, out: mp.Queu
     acked, losses = 0, []
     with kc.SyncClient(endpoints, token=token, seed=seed + rank, timeout=60) as ps:
         for step in range(STEPS):
+            started = time.monotonic()
             w = ps.pull(["w"])["w"]
             idx = rng.integers(0, len(y), 128)
             err = X[idx] @ w - y[idx]                                # (batch,)
@@ -51,7 +53,7 @@ def _worker(rank: int, endpoints: list[str], token: str, seed: int, out: mp.Queu
             ps.push({"w": grad.astype(np.float32), "steps": np.ones(1, np.float32)})
             acked += 1
             losses.append(float(np.mean((X @ w - y) ** 2)))
-            out.put(("step", rank, step, losses[-1], time.monotonic()))
+            out.put(("step", rank, step, losses[-1], started, time.monotonic()))
     out.put(("done", rank, acked, losses))
 
 
@@ -89,8 +91,8 @@ def main(out: Path = Path("demo-out"), seed: int = 0) -> int:
                         cluster.kill_pid(leader["pid"], signal.SIGKILL)
                         print(f"  >>> kill -9 leader of shard {shard} (node {leader['node']}, "
                               f"pid {leader['pid']})", flush=True)
-                    elif kill is not None and "resumed" not in kill:
-                        kill["resumed"] = msg[4] - kill["at"]
+                    elif kill is not None and "resumed" not in kill and msg[4] > kill["at"]:
+                        kill["resumed"] = msg[5] - kill["at"]  # first step begun after the kill
                 else:
                     results[msg[1]] = msg
         finally:
@@ -113,10 +115,14 @@ def main(out: Path = Path("demo-out"), seed: int = 0) -> int:
         print(f"lost: {lost}   applied twice: {twice}")
         if kill is not None:
             print(f"leader of shard {shard} killed at step {kill['step']}; the next step was "
-                  f"acknowledged {kill.get('resumed', float('nan')):.2f} s later")
+                  f"acknowledged {kill.get('resumed', float('nan')):.2f} s after the kill")
         print(f"loss: {first_loss:.3f} at start -> {final_loss:.4f} at the end "
               f"(|w - w_true| = {np.linalg.norm(w - w_true):.3f})")
         ok = lost == 0 and twice == 0 and final_loss < first_loss / 10
+        summary = {"workers": WORKERS, "acknowledged": acked, "counter": int(counter[0]), "lost": lost,
+                   "applied_twice": twice, "kill": kill, "first_loss": first_loss,
+                   "final_loss": final_loss, "ok": ok}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
         print("result:", "OK" if ok else "FAILED")
         print("stopping the cluster ...", flush=True)
     return 0 if ok else 1
