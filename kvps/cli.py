@@ -4,6 +4,8 @@
     kvps node --config cluster.toml --id ID
     kvps status [--endpoint URL] [--json]
     kvps demo [--out DIR]
+    kvps chaos ...   (kvps_chaos.cli)
+    kvps bench ...   (kvps.bench.cli)
 """
 from __future__ import annotations
 
@@ -166,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--config", required=True)
     node.add_argument("--id", type=int, required=True)
 
-    rep = sub.add_parser("replica", help=argparse.SUPPRESS)
+    rep = sub.add_parser("replica", help="(internal) one shard replica; nodes start these")
     rep.add_argument("--config", required=True)
     rep.add_argument("--node", type=int, required=True)
     rep.add_argument("--shard", type=int, required=True)
@@ -174,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="shards, leaders, terms, health")
     st.add_argument("--endpoint", default=os.environ.get("KVPS_ENDPOINT", DEFAULT_ENDPOINT))
     st.add_argument("--json", action="store_true")
+
+    # Subcommands implemented in their own packages; they parse their own arguments.
+    chaos = sub.add_parser("chaos", help="fault injection under training, with checks and a report",
+                           add_help=False)
+    chaos.add_argument("args", nargs=argparse.REMAINDER)
+    bench = sub.add_parser("bench", help="benchmarks against Redis and a PyTorch RPC server",
+                           add_help=False)
+    bench.add_argument("args", nargs=argparse.REMAINDER)
 
     demo = sub.add_parser("demo", help="train on a local cluster while leaders are killed")
     demo.add_argument("--out", default="demo-out")
@@ -193,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_up(args)
         elif args.command == "status":
             return _cmd_status(args)
+        elif args.command == "chaos":
+            from kvps_chaos.cli import main as chaos_main
+            return chaos_main(args.args)
+        elif args.command == "bench":
+            from kvps.bench.cli import main as bench_main
+            return bench_main(args.args)
         elif args.command == "demo":
             from kvps.demo import main as demo_main
             return demo_main(out=Path(args.out), seed=args.seed)

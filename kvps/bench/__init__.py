@@ -1,0 +1,1 @@
+"""kvps bench: side-by-side benchmarks against the systems users would pick instead."""
