@@ -1,0 +1,150 @@
+"""The leader's group-commit batcher, driven with a fake proposer (no Raft, no network)."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from kvps.batcher import PushBatcher
+from kvps.command import decode_command
+from kvps.config import ServerConfig
+from kvps.errors import NoQuorum, Overloaded
+from kvps.merge import PushRequest
+
+
+class FakeRaft:
+    """Records proposals; each one completes only when the test releases it."""
+
+    def __init__(self):
+        self.proposed: list = []
+        self.gates: list[asyncio.Future] = []
+
+    async def propose(self, data: bytes):
+        cmd = decode_command(data)
+        self.proposed.append(cmd)
+        gate = asyncio.get_running_loop().create_future()
+        self.gates.append(gate)
+        outcome = await gate
+        if isinstance(outcome, Exception):
+            raise outcome
+        return {"results": {(p.client, p.seq): {"versions": {"w": len(self.proposed)}}
+                            for p in cmd.pushes}}
+
+    def release(self, i: int, outcome=None):
+        self.gates[i].set_result(outcome)
+
+
+def push(client: str, seq: int, value: float = 1.0) -> PushRequest:
+    return PushRequest(client, seq, seq, dense=(("w", 0, np.full(256, value, np.float32)),))
+
+
+async def until(predicate, timeout: float = 2.0):
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0)
+
+
+def make(raft: FakeRaft, **cfg) -> PushBatcher:
+    return PushBatcher(raft.propose, lambda key: "sum", ServerConfig(**cfg), clock=lambda: 1000.0)
+
+
+def test_idle_push_is_proposed_at_once_and_later_ones_merge_behind_it():
+    async def main():
+        raft = FakeRaft()
+        b = make(raft, max_inflight_proposals=1)
+        first = asyncio.create_task(b.submit(push("a", 1)))
+        await until(lambda: len(raft.proposed) == 1)        # proposed alone, no waiting window
+        rest = [asyncio.create_task(b.submit(push(c, 1))) for c in "bcd"]
+        await asyncio.sleep(0)
+        assert len(raft.proposed) == 1                       # slot busy: they wait and merge
+        raft.release(0)
+        await until(lambda: len(raft.proposed) == 2)
+        merged = raft.proposed[1]
+        assert sorted(p.client for p in merged.pushes) == ["b", "c", "d"]
+        assert merged.dense[0].count == 3
+        np.testing.assert_array_equal(merged.dense[0].grad, np.full(256, 3, np.float32))
+        raft.release(1)
+        return await first, await asyncio.gather(*rest)
+
+    first, rest = asyncio.run(main())
+    assert first == {"versions": {"w": 1}}
+    assert rest == [{"versions": {"w": 2}}] * 3
+
+
+def test_a_retry_of_a_pending_push_shares_its_result():
+    async def main():
+        raft = FakeRaft()
+        b = make(raft, max_inflight_proposals=1)
+        a = asyncio.create_task(b.submit(push("a", 1)))
+        await until(lambda: len(raft.proposed) == 1)
+        again = asyncio.create_task(b.submit(push("a", 1)))  # same id while in flight
+        await asyncio.sleep(0)
+        raft.release(0)
+        return await a, await again, len(raft.proposed)
+
+    a, again, proposals = asyncio.run(main())
+    assert a == again and proposals == 1
+
+
+def test_overloaded_when_the_in_flight_budget_stays_full():
+    async def main():
+        raft = FakeRaft()
+        b = make(raft, max_inflight_proposals=1, max_inflight_bytes=2400, overload_wait=0.05)
+        first = asyncio.create_task(b.submit(push("a", 1)))  # ~1.1 KiB accepted
+        await until(lambda: len(raft.proposed) == 1)
+        second = asyncio.create_task(b.submit(push("b", 1)))  # fits: ~2.3 KiB in all
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded):
+            await b.submit(push("c", 1))                      # would exceed: waits, then refused
+        raft.release(0)
+        await until(lambda: len(raft.proposed) == 2)
+        raft.release(1)
+        await first, await second
+        return await asyncio.wait_for(_submit_and_release(b, raft, push("c", 2)), 2)
+
+    assert asyncio.run(main()) == {"versions": {"w": 3}}    # budget freed: accepted again
+
+
+async def _submit_and_release(b, raft, req):
+    task = asyncio.create_task(b.submit(req))
+    await until(lambda: len(raft.proposed) == 3)
+    raft.release(2)
+    return await task
+
+
+def test_a_failed_proposal_fails_every_push_merged_into_it():
+    async def main():
+        raft = FakeRaft()
+        b = make(raft, max_inflight_proposals=1)
+        first = asyncio.create_task(b.submit(push("a", 1)))
+        await until(lambda: len(raft.proposed) == 1)
+        merged = [asyncio.create_task(b.submit(push(c, 1))) for c in "bc"]
+        await asyncio.sleep(0)
+        raft.release(0)
+        await first
+        await until(lambda: len(raft.proposed) == 2)
+        raft.release(1, NoQuorum("lost the majority"))
+        return await asyncio.gather(*merged, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, NoQuorum) for r in results)
+
+
+def test_batches_are_bounded_in_bytes():
+    async def main():
+        raft = FakeRaft()
+        b = make(raft, max_inflight_proposals=1, batch_bytes=2500)
+        first = asyncio.create_task(b.submit(push("a", 1)))
+        await until(lambda: len(raft.proposed) == 1)
+        rest = [asyncio.create_task(b.submit(push(c, 1))) for c in "bcde"]
+        await asyncio.sleep(0)
+        for i in range(1, 3):
+            raft.release(i - 1)
+            await until(lambda: len(raft.proposed) == i + 1)
+        raft.release(2)
+        await first
+        await asyncio.gather(*rest)
+        return [len(c.pushes) for c in raft.proposed]
+
+    assert asyncio.run(main()) == [1, 2, 2]
