@@ -27,9 +27,24 @@ from kvps.errors import KvpsError
 DEFAULT_ENDPOINT = "http://127.0.0.1:7100"
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per line, for log shippers."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": round(record.created, 6), "level": record.levelname, "logger": record.name,
+                 "pid": record.process, "msg": record.getMessage()}
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def _setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
 
 
 def _read_tokens(path: Path) -> list[str]:
@@ -49,6 +64,7 @@ def _stop_event() -> asyncio.Event:
 async def _run_replica(config: Path, node_id: int, shard: int) -> None:
     from aiohttp import web
 
+    from kvps.auth import TokenStore
     from kvps.dataplane import make_app
     from kvps.replica import Replica
 
@@ -59,7 +75,7 @@ async def _run_replica(config: Path, node_id: int, shard: int) -> None:
     base = config.parent
     node = cfg.node(node_id)
     secret = (base / cfg.secret_file).read_bytes().strip()
-    tokens = _read_tokens(base / cfg.token_file)
+    tokens = TokenStore(base / cfg.token_file)
     replica = Replica(cfg, node_id, shard, secret=secret, data_dir=base / node.data_dir)
     stop = _stop_event()
     await replica.start()
@@ -155,6 +171,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvps", description="kvps: a fault-tolerant parameter server")
     p.add_argument("--log-level", default=os.environ.get("KVPS_LOG_LEVEL", "info"))
+    p.add_argument("--log-format", choices=("text", "json"),
+                   default=os.environ.get("KVPS_LOG_FORMAT", "text"),
+                   help="json: one object per line (also $KVPS_LOG_FORMAT; inherited by nodes and replicas)")
     sub = p.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run a local cluster in the foreground")
@@ -191,9 +210,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Subcommands whose own packages parse their arguments, and global options that take a value.
+_DELEGATED = ("chaos", "bench")
+_GLOBAL_VALUED = ("--log-level", "--log-format")
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """argparse's REMAINDER loses options that come first (``kvps chaos --duration 5`` is refused),
+    so the arguments of a delegated subcommand are split off before parsing."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i, tok in enumerate(argv):
+        if i and argv[i - 1] in _GLOBAL_VALUED or tok.startswith("-"):
+            continue
+        if tok in _DELEGATED:
+            args = parser.parse_args(argv[:i + 1])
+            args.args = argv[i + 1:]
+            return args
+        break  # the first positional is another subcommand
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    _setup_logging(args.log_level)
+    args = _parse(build_parser(), argv)
+    _setup_logging(args.log_level, args.log_format)
+    os.environ["KVPS_LOG_FORMAT"] = args.log_format  # child processes log the same way
     try:
         if args.command == "replica":
             asyncio.run(_run_replica(Path(args.config).resolve(), args.node, args.shard))

@@ -85,6 +85,8 @@ class ServerConfig:
     max_request_bytes: int = 64 * MiB
     # Decompressed size cap for a request frame (decompression bombs).
     max_raw_bytes: int = 256 * MiB
+    # A request body must arrive within this many seconds (slow or stalled clients).
+    body_timeout: float = 30.0
     # Leader batching: a merged command is proposed when it reaches this size, or as soon as a
     # proposal slot is free (group commit: no added latency when idle).
     batch_bytes: int = 8 * MiB
@@ -104,7 +106,7 @@ class ServerConfig:
     unsafe_disable_dedup: bool = False
 
     def validate(self) -> "ServerConfig":
-        _positive(self, "max_request_bytes", "max_raw_bytes", "batch_bytes",
+        _positive(self, "max_request_bytes", "max_raw_bytes", "body_timeout", "batch_bytes",
                   "max_inflight_proposals", "max_inflight_bytes", "overload_wait", "barrier_wait",
                   "session_ttl")
         if self.nonfinite not in ("reject", "skip"):

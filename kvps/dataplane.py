@@ -7,57 +7,61 @@ boundary; nothing that arrives here is ever unpickled.
 """
 from __future__ import annotations
 
-import hmac
+import asyncio
 import logging
+import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
 from aiohttp import web
 
+from kvps.auth import TokenStore
 from kvps.command import CreateKey, CreateTable, DeleteKey, Set
 from kvps.delta import frame
-from kvps.errors import InvalidRequest, KvpsError, Unauthorized
+from kvps.errors import InvalidRequest, KvpsError, RequestTooLarge, Timeout
 from kvps.merge import PushRequest
+from kvps.metrics import CONTENT_TYPE
 from kvps.replica import Replica
 
-__all__ = ["make_app", "check_token"]
+__all__ = ["OPEN_ROUTES", "make_app", "request_id_of"]
 
 log = logging.getLogger("kvps.dataplane")
 
 Handler = Callable[[Replica, frame.Frame], Awaitable[tuple[dict, Sequence[np.ndarray]]]]
 
+# Routes that answer without a token (read-only, no data): everything else needs one.
+OPEN_ROUTES = frozenset({("GET", "/healthz"), ("GET", "/metrics")})
 
-def check_token(request: web.Request, tokens: Sequence[str]) -> None:
-    header = request.headers.get("Authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not given:
-        raise Unauthorized("missing bearer token")
-    # Compare against every accepted token (rotation keeps two valid for a while).
-    ok = False
-    for token in tokens:
-        ok |= hmac.compare_digest(given.encode(), token.encode())
-    if not ok:
-        raise Unauthorized("invalid token")
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
-def error_response(exc: KvpsError) -> web.Response:
-    return web.json_response(exc.to_dict(), status=exc.http_status)
+def request_id_of(request: web.Request) -> str:
+    """The caller's ``X-Request-Id`` when it is sane, else a fresh one; echoed in the reply."""
+    given = request.headers.get("X-Request-Id", "")
+    return given if _REQUEST_ID.match(given) else uuid.uuid4().hex[:16]
 
 
-def make_app(replica: Replica, tokens: Sequence[str]) -> web.Application:
+def error_response(exc: KvpsError, request_id: str) -> web.Response:
+    return web.json_response(exc.to_dict(), status=exc.http_status,
+                             headers={"X-Request-Id": request_id})
+
+
+def make_app(replica: Replica, tokens: TokenStore) -> web.Application:
     cfg = replica.cfg.server
     app = web.Application(client_max_size=cfg.max_request_bytes)
 
     async def rpc(request: web.Request) -> web.StreamResponse:
         op = request.match_info["op"]
+        rid = request_id_of(request)
         try:
-            check_token(request, tokens)
+            tokens.check(request.headers.get("Authorization"))
             handler = HANDLERS.get(op)
             if handler is None:
                 raise InvalidRequest(f"unknown operation {op!r}", op=op)
-            body = await _read_body(request, cfg.max_request_bytes)
+            body = await _read_body(request, cfg.max_request_bytes, cfg.body_timeout)
             req = frame.decode(body, max_raw_bytes=cfg.max_raw_bytes, kinds=(frame.KIND_REQUEST,))
             meta, arrays = await handler(replica, req)
             codec = req.meta.get("accept_codec", "none")
@@ -65,38 +69,51 @@ def make_app(replica: Replica, tokens: Sequence[str]) -> web.Application:
                 codec = "none"
             parts = frame.encode_parts(frame.KIND_RESPONSE, meta, arrays, codec=codec)
         except KvpsError as exc:
-            if not isinstance(exc, (Unauthorized,)) and exc.http_status < 500 and exc.http_status != 421:
-                log.info("shard %d %s rejected: %s", replica.shard, op, exc)
-            return error_response(exc)
-        return await _send_parts(request, parts)
+            replica.count_rejected(type(exc).__name__)
+            if exc.http_status < 500 and exc.http_status != 421:
+                log.info("shard %d %s [%s] rejected: %s: %s", replica.shard, op, rid,
+                         type(exc).__name__, exc.message)
+            return error_response(exc, rid)
+        return await _send_parts(request, parts, rid)
 
     async def status(request: web.Request) -> web.Response:
+        rid = request_id_of(request)
         try:
-            check_token(request, tokens)
+            tokens.check(request.headers.get("Authorization"))
         except KvpsError as exc:
-            return error_response(exc)
-        return web.json_response(replica.status())
+            replica.count_rejected(type(exc).__name__)
+            return error_response(exc, rid)
+        return web.json_response(replica.status(), headers={"X-Request-Id": rid})
 
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=replica.expose_metrics(), headers={"Content-Type": CONTENT_TYPE})
+
     app.router.add_post("/v1/rpc/{op}", rpc)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
     return app
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
+async def _read_body(request: web.Request, limit: int, timeout: float) -> bytes:
+    """The whole body, refused early when too large and bounded in time (slow clients)."""
     if request.content_length is not None and request.content_length > limit:
-        raise InvalidRequest("request body too large", limit=limit, size=request.content_length)
+        raise RequestTooLarge("request body too large", limit=limit, size=request.content_length)
     try:
-        return await request.read()
+        async with asyncio.timeout(timeout):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
-        raise InvalidRequest("request body too large", limit=limit) from exc
+        raise RequestTooLarge("request body too large", limit=limit) from exc
+    except TimeoutError:
+        raise Timeout(f"request body not received within {timeout}s") from None
 
 
-async def _send_parts(request: web.Request, parts: list) -> web.StreamResponse:
-    resp = web.StreamResponse(status=200, headers={"Content-Type": "application/x-kvps-frame"})
+async def _send_parts(request: web.Request, parts: list, request_id: str) -> web.StreamResponse:
+    resp = web.StreamResponse(status=200, headers={"Content-Type": "application/x-kvps-frame",
+                                                   "X-Request-Id": request_id})
     resp.content_length = sum(len(p) for p in parts)
     await resp.prepare(request)
     for part in parts:
@@ -189,6 +206,7 @@ async def _pull(replica: Replica, req: frame.Frame):
                 entry["array"] = len(arrays)
                 arrays.append(value)
             out_meta.append(entry)
+    replica.count_pull(sum(a.nbytes for a in arrays))
     return {"blocks": out_meta}, arrays
 
 
@@ -197,6 +215,7 @@ async def _pull_rows(replica: Replica, req: frame.Frame):
     ids = _array(req, req.meta.get("ids"))
     await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
     values, versions = replica.read_rows(key, ids)
+    replica.count_pull(values.nbytes)
     return {"rows": 0, "versions": 1}, (values, versions)
 
 

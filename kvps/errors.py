@@ -14,6 +14,7 @@
     │   ├── ShapeMismatch     wrong shape or dtype for the key (``expected``, ``actual``)
     │   ├── Unauthorized      missing or wrong token
     │   ├── InvalidRequest    malformed request, bad argument, NaN/Inf gradient, ...
+    │   │   └── RequestTooLarge  body over the server's cap (HTTP 413)
     │   └── PushExpired       a retried push id older than the server's window (it *was* applied)
     ├── CodecError            corrupt or unknown-format payload
     └── ConfigError           invalid configuration (one message per field)
@@ -39,6 +40,7 @@ __all__ = [
     "Overloaded",
     "PushExpired",
     "RejectedError",
+    "RequestTooLarge",
     "RetryableError",
     "ShapeMismatch",
     "Timeout",
@@ -130,6 +132,10 @@ class InvalidRequest(RejectedError):
     http_status = 400
 
 
+class RequestTooLarge(InvalidRequest):
+    http_status = 413
+
+
 class PushExpired(RejectedError):
     http_status = 410
 
@@ -147,7 +153,7 @@ _BY_NAME: dict[str, type[KvpsError]] = {
     for cls in (
         KvpsError, RetryableError, Unavailable, Timeout, NotLeader, NoQuorum, Overloaded,
         RejectedError, VersionConflict, KeyNotFound, KeyExists, ShapeMismatch, Unauthorized,
-        InvalidRequest, PushExpired, CodecError, ConfigError,
+        InvalidRequest, RequestTooLarge, PushExpired, CodecError, ConfigError,
     )
 }
 

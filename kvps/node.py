@@ -18,6 +18,8 @@ import aiohttp
 from aiohttp import web
 
 from kvps.config import ClusterConfig
+from kvps.errors import KvpsError
+from kvps.metrics import CONTENT_TYPE, NodeMetrics, merge_expositions
 from kvps.process import python_module_args, spawn, stop_process
 
 __all__ = ["Node"]
@@ -61,6 +63,7 @@ class Node:
         self.replicas = {s: ReplicaProcess(s) for s in cfg.shards_on(node_id)}
         self._stopping = False
         self._session: aiohttp.ClientSession | None = None
+        self.metrics = NodeMetrics(node_id)
 
     # ---- supervision -------------------------------------------------------------------------
 
@@ -89,6 +92,7 @@ class Node:
                 rp.next_start = now + rp.backoff
                 rp.backoff = min(rp.backoff * 2, RESTART_BACKOFF[1])
                 rp.restarts += 1
+                self.metrics.replica_restarts.labels(shard=str(rp.shard), node=str(self.node_id)).inc()
             if now >= rp.next_start:
                 self._start(rp)
 
@@ -173,11 +177,79 @@ class Node:
         async def cluster(request: web.Request) -> web.Response:
             return web.json_response(await self.cluster_view())
 
+        async def metrics(request: web.Request) -> web.Response:
+            return web.Response(text=await self.metrics_text(), headers={"Content-Type": CONTENT_TYPE})
+
+        async def shard(request: web.Request) -> web.Response:
+            try:
+                shard_id = int(request.match_info["id"])
+            except ValueError:
+                shard_id = -1
+            if not 0 <= shard_id < self.cfg.shards:
+                return web.json_response({"error": "KeyNotFound", "message": "no such shard"}, status=404)
+            return web.json_response(await self.shard_view(shard_id))
+
+        async def keys(request: web.Request) -> web.Response:
+            from kvps_client import Client  # the node reads keys like any client would
+            try:
+                async with Client([self.cfg.node(self.node_id).admin_url], token=self.token,
+                                  timeout=5.0) as c:
+                    return web.json_response({"keys": await c.keys()})
+            except KvpsError as exc:
+                return web.json_response(exc.to_dict(), status=exc.http_status)
+
         app.router.add_get("/healthz", healthz)
         app.router.add_get("/readyz", readyz)
+        app.router.add_get("/metrics", metrics)
         app.router.add_get("/v1/node", node)
         app.router.add_get("/v1/cluster", cluster)
+        app.router.add_get("/v1/shards/{id}", shard)
+        app.router.add_get("/v1/keys", keys)
         return app
+
+    async def metrics_text(self) -> str:
+        """This node's series plus every local replica's, as one exposition."""
+        assert self._session is not None
+        for rp in self.replicas.values():
+            up = rp.proc is not None and rp.proc.poll() is None
+            self.metrics.replica_up.labels(shard=str(rp.shard), node=str(self.node_id)).set(1 if up else 0)
+
+        async def one(rp: ReplicaProcess) -> str:
+            url = self.cfg.node(self.node_id).data_url(rp.shard) + "/metrics"
+            try:
+                async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=1.0)) as resp:
+                    return await resp.text() if resp.status == 200 else ""
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return ""
+
+        texts = await asyncio.gather(*(one(rp) for rp in self.replicas.values()))
+        return merge_expositions([self.metrics.expose(), *texts])
+
+    async def shard_view(self, shard_id: int) -> dict[str, Any]:
+        """One shard in detail: its replicas, and the leader's view of lag, batching, hot keys."""
+        cmap = await self.cluster_view()
+        view = cmap["shards"][shard_id]
+        leader = next((r for r in view["replicas"] if r.get("role") == "leader"), None)
+        detail: dict[str, Any] = {}
+        if leader is not None:
+            assert self._session is not None
+            try:
+                async with self._session.get(
+                        leader["data_url"] + "/v1/status", headers={"Authorization": f"Bearer {self.token}"},
+                        timeout=aiohttp.ClientTimeout(total=1.0)) as resp:
+                    if resp.status == 200:
+                        detail = await resp.json()
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                pass
+        counters = detail.get("counters", {})
+        batches = counters.get("batches", 0)
+        return {**view,
+                "lag": detail.get("peers", {}),
+                "hot_keys": detail.get("hot_keys", []),
+                "in_flight_bytes": detail.get("in_flight_bytes"),
+                "batches": batches,
+                "mean_batch_pushes": round(counters.get("batched_pushes", 0) / batches, 2) if batches else None,
+                "counters": counters}
 
     async def run(self, stop: asyncio.Event) -> None:
         self._session = aiohttp.ClientSession()

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,8 @@ from kvps.config import ClusterConfig
 from kvps.errors import (
     CodecError, InvalidRequest, KeyNotFound, KvpsError, NotLeader, Unavailable,
 )
-from kvps.merge import PushRequest
+from kvps.merge import PushRequest, is_finite, request_bytes
+from kvps.metrics import ReplicaMetrics
 from kvps.raft import bridge
 from kvps.raft.group import ShardGroup
 from kvps.shard import ShardState
@@ -54,6 +56,11 @@ class Replica:
         self._batcher: PushBatcher | None = None
         self.counters = {"pushes": 0, "pulls": 0, "batches": 0, "batched_pushes": 0,
                          "leader_changes": 0, "rejected": 0}
+        self.metrics = ReplicaMetrics(shard, node_id)
+        self._hot: Counter[str] = Counter()  # push bytes per key (bounded, see _count_push)
+        # (log index, monotonic time) of recent applies: a follower's lag in seconds is the age
+        # of the first entry it has not acknowledged.
+        self._applied_at: deque[tuple[int, float]] = deque(maxlen=20000)
         self._journal_dir = data_dir / f"shard-{shard}"
         self._journal_dir.mkdir(parents=True, exist_ok=True)
         self._group: ShardGroup | None = None
@@ -100,6 +107,8 @@ class Replica:
             return InvalidRequest(f"undecodable command: {exc}")
         with self._lock:
             result = self._state.apply(cmd)
+        if self._group is not None:  # pysyncobj advances lastApplied after we return
+            self._applied_at.append((self._group.raftLastApplied + 1, time.monotonic()))
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._pulse_applied)
         return result
@@ -125,6 +134,7 @@ class Replica:
 
     def _role_changed(self, role: str) -> None:
         self.counters["leader_changes"] += 1
+        self.metrics.child(self.metrics.leader_changes).inc()
         log.info("shard %d replica %s is now %s (term %d)", self.shard, self.address, role,
                  self.group.term())
         if role == "leader" and (self._barrier_task is None or self._barrier_task.done()):
@@ -147,11 +157,37 @@ class Replica:
                 log.info("shard %d: leader of term %d is serving", self.shard, term)
 
     async def _propose(self, data: bytes) -> Any:
-        return await bridge.propose(self.group, data)
+        started = time.monotonic()
+        try:
+            return await bridge.propose(self.group, data)
+        finally:
+            self.metrics.child(self.metrics.commit_seconds).observe(time.monotonic() - started)
 
     def _count_batch(self, pushes: int, nbytes: int) -> None:
         self.counters["batches"] += 1
         self.counters["batched_pushes"] += pushes
+        self.metrics.child(self.metrics.batch_pushes).observe(pushes)
+
+    def _count_push(self, req: PushRequest) -> None:
+        nbytes = request_bytes(req)
+        self.counters["pushes"] += 1
+        self.metrics.child(self.metrics.pushes).inc()
+        self.metrics.child(self.metrics.push_bytes).inc(nbytes)
+        for key, _, grad in req.dense:
+            self._hot[key] += grad.nbytes
+        for key, ids, grads in req.rows:
+            self._hot[key] += grads.nbytes + ids.nbytes
+        if len(self._hot) > 1000:  # keep the heaviest: hot keys stay, one-off keys go
+            self._hot = Counter(dict(self._hot.most_common(100)))
+
+    def count_pull(self, nbytes: int) -> None:
+        self.counters["pulls"] += 1
+        self.metrics.child(self.metrics.pulls).inc()
+        self.metrics.child(self.metrics.pull_bytes).inc(nbytes)
+
+    def count_rejected(self, reason: str) -> None:
+        self.counters["rejected"] += 1
+        self.metrics.child(self.metrics.rejected, reason=reason).inc()
 
     # ---- leadership checks ------------------------------------------------------------------
 
@@ -193,15 +229,22 @@ class Replica:
 
     async def push(self, req: PushRequest) -> dict:
         await self.ensure_serving()
+        finite = is_finite(req)
         with self._lock:
-            err = self._state.check_push(req, self.cfg.server.nonfinite)
+            err = self._state.check_push(req, "allow" if finite else self.cfg.server.nonfinite)
             done = self._state.lookup_push(req.client, req.seq)
         if done is not None:
             return _unwrap(done)
+        if not finite:
+            action = "skipped" if self.cfg.server.nonfinite == "skip" and err is None else "rejected"
+            self.metrics.child(self.metrics.nonfinite, action=action).inc()
+            log.warning("shard %d: push %s/%d has NaN/Inf gradients: %s", self.shard, req.client,
+                        req.seq, action)
+            if action == "skipped":  # dropped on purpose: nothing applied, versions unchanged
+                return {"versions": self._current_versions(req)}
         if err is not None:
-            self.counters["rejected"] += 1
             raise err
-        self.counters["pushes"] += 1
+        self._count_push(req)
         assert self._batcher is not None
         return _unwrap(await self._batcher.submit(req))
 
@@ -219,6 +262,16 @@ class Replica:
         elif not isinstance(cmd, (CreateKey, CreateTable, DeleteKey)):
             raise InvalidRequest(f"not a write command: {type(cmd).__name__}")
         return _unwrap(await self._propose(cmd.to_bytes()))
+
+    def _current_versions(self, req: PushRequest) -> dict[str, int]:
+        with self._lock:
+            out = {}
+            for key, block, _ in req.dense:
+                out[key] = max(out.get(key, 0), self._state.block_versions(key, [block])[0])
+            for key, ids, _ in req.rows:
+                _, versions = self._state.read_rows(key, ids)
+                out[key] = max([out.get(key, 0), *map(int, versions)])
+            return out
 
     def merge_mode(self, key: str) -> str:
         with self._lock:
@@ -295,7 +348,39 @@ class Replica:
             "log_entries": st["log_entries"],
             "in_flight_bytes": self._batcher.accepted_bytes if self._batcher else 0,
             "counters": dict(self.counters),
+            "peers": self.peer_lag() if st["role"] == "leader" else {},
+            "hot_keys": [{"key": k, "push_bytes": v} for k, v in self._hot.most_common(10)],
         }
+
+    def peer_lag(self) -> dict[str, dict]:
+        """Leader's view of each follower: acknowledged index, lag in entries and in seconds."""
+        last = self.group.status()["applied_index"]
+        now = time.monotonic()
+        out = {}
+        for addr, p in self.group.peer_progress().items():
+            match = p["match_index"]
+            lag = None if match is None else max(0, last - match)
+            seconds = 0.0
+            if lag:
+                first_missing = next((t for i, t in self._applied_at if i > match), None)
+                seconds = round(now - first_missing, 3) if first_missing is not None else None
+            out[addr] = {"connected": p["connected"], "match_index": match, "lag_entries": lag,
+                         "lag_seconds": seconds}
+        return out
+
+    def expose_metrics(self) -> bytes:
+        st = self.group.status()
+        m = self.metrics
+        m.child(m.term).set(st["term"])
+        m.child(m.is_leader).set(1 if st["role"] == "leader" and self._serving_term == st["term"] else 0)
+        m.child(m.commit_index).set(st["commit_index"])
+        m.child(m.applied_index).set(st["applied_index"])
+        m.child(m.in_flight_bytes).set(self._batcher.accepted_bytes if self._batcher else 0)
+        if st["role"] == "leader":
+            for addr, p in self.peer_lag().items():
+                if p["lag_entries"] is not None:
+                    m.child(m.lag_entries, peer=addr).set(p["lag_entries"])
+        return m.expose()
 
     def _node_of(self, address: str | None) -> int | None:
         if address is None:

@@ -199,6 +199,13 @@ class ShardGroup(SyncObj):
         """Peers with an authenticated connection, sorted."""
         return sorted(n.address for n in self.otherNodes if self.isNodeConnected(n))
 
+    def peer_progress(self) -> dict[str, dict[str, Any]]:
+        """Per peer: connected, and (on the leader) the highest log index it has acknowledged."""
+        st = self.getStatus()  # pysyncobj's public debug dict; match_idx_* exists on leaders only
+        return {n.address: {"connected": self.isNodeConnected(n),
+                            "match_index": st.get("match_idx_server_" + n.id)}
+                for n in sorted(self.otherNodes, key=lambda n: n.address)}
+
     def transport_stats(self) -> dict[str, int]:
         """Peer-traffic counters: frames/bytes sent and received, rejected connections."""
         return self._transport_stats.snapshot()
