@@ -1,0 +1,131 @@
+"""The cluster under test: a ``LocalCluster`` on loopback, or one node per network namespace.
+
+In namespace mode the node addresses in ``cluster.toml`` are the namespaces' addresses, each node
+process is started with ``ip netns exec``, and a delay proxy runs next to it (``kvps_chaos.proxy``).
+Everything else (config files, process groups, restarts) is ``LocalCluster``'s.
+"""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvps.config import RaftConfig, ServerConfig
+from kvps.delta import frame
+from kvps.local import LocalCluster
+from kvps.process import python_module_args, spawn, stop_process
+
+from kvps_chaos.netns import PROXY_PORT, Topology
+from kvps_chaos.proxy import set_delay
+
+__all__ = ["ChaosCluster"]
+
+NETNS_PORT = 7100  # every node has its own address in namespace mode, so fixed ports are fine
+
+
+class ChaosCluster(LocalCluster):
+    def __init__(self, data_dir: Path, *, nodes: int, shards: int, raft: RaftConfig,
+                 server: ServerConfig, topology: Topology | None = None, seed: int = 0) -> None:
+        self.topology = topology
+        self.seed = seed
+        self.proxies: dict[int, subprocess.Popen] = {}
+        super().__init__(data_dir, nodes=nodes, shards=shards, replicas=3,
+                         port=NETNS_PORT if topology else None, raft=raft, server=server,
+                         env={"KVPS_LOG_LEVEL": "info"})
+        if topology is not None:
+            hosts = tuple(dataclasses.replace(n, host=topology.address(n.id)) for n in self.cfg.nodes)
+            self.cfg = dataclasses.replace(self.cfg, nodes=hosts).validate()
+            self._write_files()
+
+    @property
+    def netns(self) -> bool:
+        return self.topology is not None
+
+    # ---- processes -------------------------------------------------------------------------
+
+    def start(self, *, wait: bool = True, timeout: float = 90.0) -> "ChaosCluster":
+        if self.topology is not None and not self.proxies:
+            self._start_proxies()
+        return super().start(wait=wait, timeout=timeout)
+
+    def start_node(self, node_id: int) -> None:
+        if self.topology is None:
+            return super().start_node(node_id)
+        proc = self.procs.get(node_id)
+        if proc is not None and proc.poll() is None:
+            return
+        args = python_module_args("kvps.cli", "node", "--config", str(self.config_path),
+                                  "--id", str(node_id))
+        log = self.data_dir / f"node-{node_id}" / "logs" / "node.log"
+        self.procs[node_id] = spawn(self.topology.exec_args(node_id, args), log, new_session=True,
+                                    env=self.env)
+
+    def raft_ports(self, shard: int | None = None) -> list[int]:
+        shards = range(self.cfg.shards) if shard is None else [shard]
+        return sorted({n.port_base + 2 * s for n in self.cfg.nodes for s in shards})
+
+    def _start_proxies(self) -> None:
+        assert self.topology is not None
+        for n in self.cfg.nodes:
+            control = self.proxy_control(n.id)
+            Path(control).unlink(missing_ok=True)
+            args = [sys.executable, "-m", "kvps_chaos.proxy", "--port", str(PROXY_PORT),
+                    "--control", control, "--seed", str(self.seed * 100 + n.id)]
+            log = self.data_dir / f"node-{n.id}" / "logs" / "proxy.log"
+            self.proxies[n.id] = spawn(self.topology.exec_args(n.id, args), log)
+            peers = [p.host for p in self.cfg.nodes if p.id != n.id]
+            self.topology.redirect_raft(n.id, peers, self.raft_ports())
+        from kvps.local import wait_until
+        wait_until(lambda: all(Path(self.proxy_control(n.id)).exists() for n in self.cfg.nodes),
+                   30, "the delay proxies to listen")
+
+    def proxy_control(self, node_id: int) -> str:
+        return str(self.data_dir / f"proxy-{node_id}.sock")
+
+    def set_delay(self, node_id: int, rules: dict[str, tuple[float, float]]) -> None:
+        set_delay(self.proxy_control(node_id), rules)
+
+    def stop(self) -> None:
+        try:
+            super().stop()
+        finally:
+            for proc in self.proxies.values():
+                stop_process(proc, timeout=2.0)
+            self.proxies.clear()
+
+    def node_pid(self, node_id: int) -> int | None:
+        proc = self.procs.get(node_id)
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def replica_dir(self, node_id: int, shard: int) -> Path:
+        return self.data_dir / self.cfg.node(node_id).data_dir / f"shard-{shard}"
+
+    # ---- observation -----------------------------------------------------------------------
+
+    def state_hashes(self, shard: int, timeout: float = 2.0) -> dict[int, tuple[str, int] | None]:
+        """{node: (state hash, applied index)} for every replica of ``shard`` (None: no answer)."""
+        body = frame.encode(frame.KIND_REQUEST, {})
+        out: dict[int, tuple[str, int] | None] = {}
+        for n in self.cfg.replica_nodes(shard):
+            req = urllib.request.Request(self.cfg.node(n).data_url(shard) + "/v1/rpc/state_hash",
+                                         data=body, method="POST",
+                                         headers={"Authorization": f"Bearer {self.token}"})
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as resp:
+                    meta = frame.decode(resp.read()).meta
+                    out[n] = (meta["hash"], meta["applied_index"])
+            except (OSError, ValueError, urllib.error.URLError):
+                out[n] = None
+        return out
+
+    def leaders(self) -> dict[int, dict[str, Any] | None]:
+        """{shard: serving leader replica or None}, from one cluster map."""
+        cmap = self.cluster_map()
+        if cmap is None:
+            return {s: None for s in range(self.cfg.shards)}
+        return {sh["id"]: next((r for r in sh["replicas"] if r.get("role") == "leader"
+                                and r.get("serving")), None) for sh in cmap["shards"]}

@@ -1,0 +1,270 @@
+"""The faults, one at a time, from a seeded schedule.
+
+Each fault injects, holds for a seeded while, heals (also when interrupted), and fills a
+``FaultRecord``; the schedule then waits until every shard has a serving leader again before the
+next quiet period. Targets that depend on the running cluster (which replica leads) are looked up at
+injection time, so a seed replays the same sequence of fault kinds, shards, nodes and durations.
+
+Faults that need packet filtering (partitions, isolation, loss) or the transparent delay proxy
+run only in network-namespace mode (``NETNS_ONLY``).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvps.local import wait_until
+
+from kvps_chaos.cluster import ChaosCluster
+
+__all__ = ["ALL_FAULTS", "FaultContext", "FaultRecord", "NETNS_ONLY", "run_schedule"]
+
+
+@dataclass
+class FaultRecord:
+    kind: str
+    start: float
+    end: float | None = None        # healed
+    ready: float | None = None      # every shard had a serving leader again
+    shard: int | None = None
+    node: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def injected(self) -> None:
+        """The fault starts now (after finding its target, which takes a cluster-map round trip)."""
+        self.start = time.monotonic()
+
+
+@dataclass
+class FaultContext:
+    cluster: ChaosCluster
+    rng: random.Random
+    set_reply_loss: Callable[[float], None]
+    hold: tuple[float, float] = (2.0, 4.0)     # how long a fault lasts (s)
+    log: Callable[[str], None] = lambda line: None
+
+    def hold_time(self) -> float:
+        return self.rng.uniform(*self.hold)
+
+    async def leader(self, shard: int, timeout: float = 30.0) -> dict[str, Any]:
+        return await asyncio.to_thread(wait_until, lambda: self.cluster.leader(shard), timeout,
+                                       f"a serving leader of shard {shard}", 0.1)
+
+    def others(self, node: int) -> list[int]:
+        return [n.id for n in self.cluster.cfg.nodes if n.id != node]
+
+
+async def _kill_leader(ctx: FaultContext, rec: FaultRecord) -> None:
+    rec.shard = ctx.rng.randrange(ctx.cluster.cfg.shards)
+    leader = await ctx.leader(rec.shard)
+    rec.node, rec.detail["pid"] = leader["node"], leader["pid"]
+    rec.injected()
+    ctx.cluster.kill_pid(leader["pid"], signal.SIGKILL)
+    # The node supervisor restarts it; healed once the replica runs again under a new pid.
+    await asyncio.to_thread(wait_until, lambda: (ctx.cluster.replica(rec.shard, rec.node) or {}).get(
+        "pid") not in (None, leader["pid"]), 60, "the killed replica to be restarted", 0.1)
+
+
+async def _pause_leader(ctx: FaultContext, rec: FaultRecord) -> None:
+    rec.shard = ctx.rng.randrange(ctx.cluster.cfg.shards)
+    hold = ctx.hold_time()
+    leader = await ctx.leader(rec.shard)
+    rec.node, rec.detail["pid"], rec.detail["paused_s"] = leader["node"], leader["pid"], hold
+    rec.injected()
+    ctx.cluster.kill_pid(leader["pid"], signal.SIGSTOP)
+    try:
+        await asyncio.sleep(hold)
+    finally:
+        ctx.cluster.kill_pid(leader["pid"], signal.SIGCONT)
+
+
+async def _kill_node(ctx: FaultContext, rec: FaultRecord) -> None:
+    rec.node = ctx.rng.randrange(len(ctx.cluster.cfg.nodes))
+    down = ctx.hold_time()
+    rec.detail["down_s"] = down
+    await asyncio.to_thread(ctx.cluster.kill_node, rec.node, signal.SIGKILL)
+    try:
+        await asyncio.sleep(down)
+    finally:
+        ctx.cluster.start_node(rec.node)
+
+
+async def _kill_all(ctx: FaultContext, rec: FaultRecord) -> None:
+    down = ctx.rng.uniform(0.5, 1.5)
+    rec.detail["down_s"] = down
+    try:
+        for n in ctx.cluster.cfg.nodes:
+            await asyncio.to_thread(ctx.cluster.kill_node, n.id, signal.SIGKILL)
+        await asyncio.sleep(down)
+    finally:
+        for n in ctx.cluster.cfg.nodes:
+            ctx.cluster.start_node(n.id)
+
+
+async def _cut(ctx: FaultContext, rec: FaultRecord, *, leader: bool) -> None:
+    """Drop one replica's Raft traffic with its peers (clients still reach it)."""
+    topo = ctx.cluster.topology
+    assert topo is not None
+    rec.shard = ctx.rng.randrange(ctx.cluster.cfg.shards)
+    hold = ctx.hold_time()
+    pick = ctx.rng.random()
+    lead = (await ctx.leader(rec.shard))["node"]
+    followers = [n for n in ctx.cluster.cfg.replica_nodes(rec.shard) if n != lead]
+    rec.node = lead if leader else followers[int(pick * len(followers))]
+    rec.detail["held_s"] = hold
+    peers = [topo.address(n) for n in ctx.others(rec.node)]
+    rec.injected()
+    await asyncio.to_thread(topo.drop_between, rec.node, peers, ctx.cluster.raft_ports(rec.shard))
+    try:
+        await asyncio.sleep(hold)
+    finally:
+        await asyncio.to_thread(topo.heal, rec.node)
+
+
+async def _partition_leader(ctx: FaultContext, rec: FaultRecord) -> None:
+    await _cut(ctx, rec, leader=True)
+
+
+async def _isolate_follower(ctx: FaultContext, rec: FaultRecord) -> None:
+    await _cut(ctx, rec, leader=False)
+
+
+async def _packet_loss(ctx: FaultContext, rec: FaultRecord) -> None:
+    topo = ctx.cluster.topology
+    assert topo is not None
+    rec.node = ctx.rng.randrange(len(ctx.cluster.cfg.nodes))
+    percent, hold = ctx.rng.randint(10, 30), ctx.hold_time()
+    rec.detail.update(percent=percent, held_s=hold)
+    await asyncio.to_thread(topo.lose_packets, rec.node, percent)
+    try:
+        await asyncio.sleep(hold)
+    finally:
+        await asyncio.to_thread(topo.heal, rec.node)
+
+
+async def _delay(ctx: FaultContext, rec: FaultRecord) -> None:
+    """Delay every Raft byte to and from one node (its own proxy for the connections it opened,
+    its peers' proxies for the ones they opened to it)."""
+    cluster, topo = ctx.cluster, ctx.cluster.topology
+    assert topo is not None
+    rec.node = ctx.rng.randrange(len(cluster.cfg.nodes))
+    delay = ctx.rng.uniform(0.02, 0.1)
+    jitter, hold = delay / 3, ctx.hold_time()
+    rec.detail.update(delay_ms=round(delay * 1000, 1), jitter_ms=round(jitter * 1000, 1), held_s=hold)
+    rules = {n: ({"*": (delay, jitter)} if n == rec.node else {topo.address(rec.node): (delay, jitter)})
+             for n in range(len(cluster.cfg.nodes))}
+    try:
+        for n, r in rules.items():
+            await asyncio.to_thread(cluster.set_delay, n, r)
+        await asyncio.sleep(hold)
+    finally:
+        for n in rules:
+            await asyncio.to_thread(cluster.set_delay, n, {})
+
+
+async def _reply_loss(ctx: FaultContext, rec: FaultRecord) -> None:
+    hold = ctx.hold_time()
+    rec.detail.update(loss=0.3, held_s=hold)
+    ctx.set_reply_loss(0.3)
+    try:
+        await asyncio.sleep(hold)
+    finally:
+        ctx.set_reply_loss(0.0)
+
+
+async def _wipe_replica(ctx: FaultContext, rec: FaultRecord) -> None:
+    """kill -9 a follower, delete its data dir, let its node restart it empty: it must catch up
+    from the leader (log or snapshot). The node supervisor is stopped meanwhile so it cannot
+    restart the replica on the old files."""
+    cluster = ctx.cluster
+    rec.shard = ctx.rng.randrange(cluster.cfg.shards)
+    pick = ctx.rng.random()
+    lead = await ctx.leader(rec.shard)
+    followers = [n for n in cluster.cfg.replica_nodes(rec.shard) if n != lead["node"]]
+    rec.node = followers[int(pick * len(followers))]
+    victim, node_pid = cluster.replica(rec.shard, rec.node) or {}, cluster.node_pid(rec.node)
+    if not victim.get("pid") or node_pid is None:
+        raise RuntimeError(f"replica of shard {rec.shard} on node {rec.node} is not running")
+    rec.injected()
+    os.kill(node_pid, signal.SIGSTOP)
+    try:
+        cluster.kill_pid(victim["pid"], signal.SIGKILL)
+        await asyncio.to_thread(wait_until, lambda: _dead(victim["pid"]), 10, "the replica to die", 0.02)
+        shutil.rmtree(cluster.replica_dir(rec.node, rec.shard), ignore_errors=True)
+    finally:
+        os.kill(node_pid, signal.SIGCONT)
+    target = (cluster.state_hashes(rec.shard).get(lead["node"]) or ("", 0))[1]
+    rec.detail.update(pid=victim["pid"], leader_applied=target)
+    started = time.monotonic()
+
+    def caught_up() -> bool:
+        got = cluster.state_hashes(rec.shard, timeout=1.0).get(rec.node)
+        return got is not None and got[1] >= target
+
+    try:
+        await asyncio.to_thread(wait_until, caught_up, 60, "the wiped replica to catch up", 0.2)
+        rec.detail["caught_up_s"] = round(time.monotonic() - started, 2)
+    except TimeoutError:
+        rec.detail["caught_up_s"] = None
+        rec.error = f"wiped replica (shard {rec.shard}, node {rec.node}) did not catch up within 60 s"
+
+
+def _dead(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+ALL_FAULTS: dict[str, Callable[[FaultContext, FaultRecord], Awaitable[None]]] = {
+    "kill-leader": _kill_leader,
+    "kill-node": _kill_node,
+    "kill-all": _kill_all,
+    "pause-leader": _pause_leader,
+    "partition-leader": _partition_leader,
+    "isolate-follower": _isolate_follower,
+    "packet-loss": _packet_loss,
+    "delay": _delay,
+    "wipe-replica": _wipe_replica,
+    "reply-loss": _reply_loss,
+}
+NETNS_ONLY = frozenset({"partition-leader", "isolate-follower", "packet-loss", "delay"})
+
+
+async def run_schedule(ctx: FaultContext, kinds: list[str], deadline: float,
+                       quiet: tuple[float, float], records: list[FaultRecord]) -> None:
+    """Faults until ``deadline``: every kind once in a seeded order, then seeded random picks."""
+    order = list(kinds)
+    ctx.rng.shuffle(order)
+    while True:
+        pause = ctx.rng.uniform(*quiet)
+        if time.monotonic() + pause + ctx.hold[1] + 2.0 > deadline:
+            return
+        await asyncio.sleep(pause)  # schedule pacing (the quiet period), not synchronisation
+        kind = order.pop(0) if order else ctx.rng.choice(kinds)
+        rec = FaultRecord(kind, time.monotonic())
+        records.append(rec)
+        ctx.log(f"inject {kind}")
+        try:
+            await ALL_FAULTS[kind](ctx, rec)
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            rec.error = rec.error or f"{type(exc).__name__}: {exc}"
+        rec.end = time.monotonic()
+        try:
+            await asyncio.to_thread(ctx.cluster.wait_ready, 60)
+            rec.ready = time.monotonic()
+        except TimeoutError:
+            rec.error = rec.error or "no serving leader on every shard 60 s after healing"
+        ctx.log(f"healed {kind} {rec.detail}")

@@ -1,0 +1,205 @@
+"""Network namespaces for chaos runs: one per node, with its own address, plus a hub.
+
+Layout (everything lives in namespaces this run created; nothing is added to the host's own
+network namespace, and no packet can leave the machine)::
+
+    hub namespace:   bridge br0 10.250.0.254/24   (the harness, its clients and training workers)
+       |-- veth --   node namespace n0: eth0 10.250.0.1/24   (kvps node 0 and its replicas)
+       |-- veth --   node namespace n1: eth0 10.250.0.2/24
+       ...
+
+Faults are nftables rules inside a node's namespace (table ``inet kvpschaos``: chains ``input`` and
+``output``), so they touch nothing outside the run. Healing flushes both chains (one fault at a
+time). A transparent redirect (table ``ip kvpschaos_nat``) sends every outgoing Raft connection
+through the node's delay proxy (``kvps_chaos.proxy``), so the cluster config stays the single source
+of truth: nodes dial the addresses in ``cluster.toml``, the kernel hands the connection to the proxy.
+
+Names carry the pid of the process that made them, so a run killed with ``kill -9`` leaves
+namespaces that the next run removes (``remove_stale``).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator, Sequence
+
+__all__ = ["PROXY_MARK", "PROXY_PORT", "Topology", "netns_support", "remove_stale"]
+
+PREFIX = "kvpsc"
+SUBNET = "10.250.0"          # private to this run's namespaces: they are not linked to the host
+PROXY_PORT = 6999            # the delay proxy's port on 127.0.0.1 inside each node namespace
+PROXY_MARK = 0x4B5053        # socket mark on the proxy's own upstream connections (not redirected)
+_CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def netns_support() -> tuple[bool, str]:
+    """(usable, why not): namespaces need root, iproute2 and nftables."""
+    if os.geteuid() != 0:
+        return False, "not root"
+    for tool in ("ip", "nft"):
+        if shutil.which(tool) is None:
+            return False, f"{tool} not installed (apt-get install -y iproute2 nftables)"
+    return True, ""
+
+
+def _run(args: Sequence[str], stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    res = subprocess.run(list(args), input=stdin, capture_output=True, text=True, timeout=30)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({res.returncode}): {res.stderr.strip()}")
+    return res
+
+
+def _namespaces() -> list[str]:
+    out = _run(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def remove_stale() -> list[str]:
+    """Delete namespaces left by chaos runs whose process is gone."""
+    removed = []
+    for name in _namespaces():
+        m = re.fullmatch(PREFIX + r"(\d+)-(hub|n\d+)", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            _run(["ip", "netns", "del", name], check=False)
+            removed.append(name)
+    return removed
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+class Topology:
+    def __init__(self, nodes: int, *, run_id: int | None = None) -> None:
+        self.nodes = nodes
+        self.run_id = os.getpid() if run_id is None else run_id
+        self.hub = f"{PREFIX}{self.run_id}-hub"
+        self.created: list[str] = []
+
+    def ns(self, node: int) -> str:
+        return f"{PREFIX}{self.run_id}-n{node}"
+
+    @staticmethod
+    def address(node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
+
+    hub_address = f"{SUBNET}.254"
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def create(self) -> "Topology":
+        try:
+            self._add_ns(self.hub)
+            ip = ["ip", "-n", self.hub]
+            _run([*ip, "link", "add", "br0", "type", "bridge"])
+            _run([*ip, "addr", "add", f"{self.hub_address}/24", "dev", "br0"])
+            for dev in ("lo", "br0"):
+                _run([*ip, "link", "set", dev, "up"])
+            for n in range(self.nodes):
+                self._add_node(n)
+        except BaseException:
+            self.destroy()
+            raise
+        return self
+
+    def _add_ns(self, name: str) -> None:
+        _run(["ip", "netns", "add", name])
+        self.created.append(name)
+
+    def _add_node(self, n: int) -> None:
+        ns = self.ns(n)
+        self._add_ns(ns)
+        # Both ends are created directly inside their namespaces: nothing appears on the host.
+        _run(["ip", "link", "add", "name", "eth0", "netns", ns, "type", "veth",
+              "peer", "name", f"p{n}", "netns", self.hub])
+        _run(["ip", "-n", self.hub, "link", "set", f"p{n}", "master", "br0"])
+        _run(["ip", "-n", self.hub, "link", "set", f"p{n}", "up"])
+        _run(["ip", "-n", ns, "addr", "add", f"{self.address(n)}/24", "dev", "eth0"])
+        for dev in ("lo", "eth0"):
+            _run(["ip", "-n", ns, "link", "set", dev, "up"])
+        self.nft(n, _BASE_RULES)
+
+    def destroy(self) -> None:
+        for name in reversed(self.created):
+            _run(["ip", "netns", "del", name], check=False)
+        self.created.clear()
+
+    def __enter__(self) -> "Topology":
+        return self.create()
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """Run the calling thread (and the threads and processes it starts) in the hub namespace."""
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        target = os.open(f"/var/run/netns/{self.hub}", os.O_RDONLY)
+        try:
+            _setns(target)
+            try:
+                yield
+            finally:
+                _setns(home)
+        finally:
+            os.close(home)
+            os.close(target)
+
+    # ---- commands inside a node ------------------------------------------------------------
+
+    def exec_args(self, node: int, args: Sequence[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.ns(node), *args]
+
+    def nft(self, node: int, script: str) -> None:
+        _run(self.exec_args(node, ["nft", "-f", "-"]), stdin=script)
+
+    def redirect_raft(self, node: int, peers: Sequence[str], raft_ports: Sequence[int]) -> None:
+        """Send this node's outgoing Raft connections through its delay proxy."""
+        self.nft(node, f"""
+            table ip kvpschaos_nat {{
+              chain output {{
+                type nat hook output priority -100; policy accept;
+                meta mark != {PROXY_MARK:#x} ip daddr {{ {", ".join(peers)} }} \
+                  tcp dport {{ {", ".join(map(str, raft_ports))} }} redirect to :{PROXY_PORT}
+              }}
+            }}""")
+
+    def drop_between(self, node: int, peers: Sequence[str], ports: Sequence[int] | None) -> None:
+        """Drop every packet between ``node`` and ``peers`` (on ``ports`` only, if given)."""
+        rules = []
+        for chain, iface, addr in (("input", "iifname", "saddr"), ("output", "oifname", "daddr")):
+            match = f'{iface} "eth0" ip {addr} {{ {", ".join(peers)} }}'
+            if ports is None:
+                rules.append(f"add rule inet kvpschaos {chain} {match} drop")
+            else:
+                plist = ", ".join(map(str, ports))
+                rules += [f"add rule inet kvpschaos {chain} {match} tcp dport {{ {plist} }} drop",
+                          f"add rule inet kvpschaos {chain} {match} tcp sport {{ {plist} }} drop"]
+        self.nft(node, "\n".join(rules) + "\n")
+
+    def lose_packets(self, node: int, percent: int) -> None:
+        """Drop ``percent`` % of the packets through the node's interface, both ways."""
+        self.nft(node, "".join(
+            f'add rule inet kvpschaos {chain} {iface} "eth0" numgen random mod 100 < {percent} drop\n'
+            for chain, iface in (("input", "iifname"), ("output", "oifname"))))
+
+    def heal(self, node: int) -> None:
+        self.nft(node, "flush chain inet kvpschaos input\nflush chain inet kvpschaos output\n")
+
+    def rules(self, node: int) -> str:
+        return _run(self.exec_args(node, ["nft", "list", "table", "inet", "kvpschaos"])).stdout
+
+
+_BASE_RULES = """
+table inet kvpschaos {
+  chain input { type filter hook input priority 0; policy accept; }
+  chain output { type filter hook output priority 0; policy accept; }
+}
+"""
