@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import random
+import ssl as ssl_
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ class Client:
                  consistency: str = "leader", codec: str = "none",
                  client_id: str | None = None, transport: Transport | None = None,
                  retry: RetryPolicy = RetryPolicy(), seed: int | None = None,
+                 ssl: ssl_.SSLContext | str | None = None,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         if endpoints is None:
             endpoints = os.environ.get("KVPS_ENDPOINT", DEFAULT_ENDPOINT)
@@ -77,7 +79,9 @@ class Client:
         self.codec = codec
         self.client_id = client_id or uuid.uuid4().hex
         self.stats = ClientStats()
-        self._transport = transport or HttpTransport()
+        if isinstance(ssl, str):  # a CA file that signed the cluster's certificate
+            ssl = ssl_.create_default_context(cafile=ssl)
+        self._transport = transport or HttpTransport(ssl=ssl)
         self._retry = retry
         self._rng = random.Random(seed)
         self._sleep = sleep

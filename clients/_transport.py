@@ -7,6 +7,7 @@ cluster tests use the real thing).
 from __future__ import annotations
 
 import asyncio
+import ssl as ssl_
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -29,12 +30,14 @@ class Transport(Protocol):
 class HttpTransport:
     """aiohttp with keep-alive connections; every failure to get an answer is ``Unavailable``."""
 
-    def __init__(self, *, limit_per_host: int = 16) -> None:
+    def __init__(self, *, limit_per_host: int = 16, ssl: ssl_.SSLContext | None = None) -> None:
         self._limit_per_host = limit_per_host
+        self._ssl = ssl
         self._session: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=self._limit_per_host)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=self._limit_per_host,
+                                         ssl=self._ssl if self._ssl is not None else True)
         self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
 
     async def close(self) -> None:

@@ -67,6 +67,7 @@ async def _run_replica(config: Path, node_id: int, shard: int) -> None:
     from kvps.auth import TokenStore
     from kvps.dataplane import make_app
     from kvps.replica import Replica
+    from kvps.tls import server_context
 
     # Two busy threads share the GIL here (pysyncobj's tick thread and the event loop). With the
     # default 5 ms switch interval every hand-off between them can stall a commit by 5 ms.
@@ -81,7 +82,8 @@ async def _run_replica(config: Path, node_id: int, shard: int) -> None:
     await replica.start()
     runner = web.AppRunner(make_app(replica, tokens), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, node.host, node.data_port(shard), reuse_address=True).start()
+    await web.TCPSite(runner, node.host, node.data_port(shard), reuse_address=True,
+                      ssl_context=server_context(cfg, base)).start()
     logging.getLogger("kvps.replica").info("shard %d replica on node %d serving %s", shard, node_id,
                                            node.data_url(shard))
     try:
@@ -95,11 +97,13 @@ async def _run_replica(config: Path, node_id: int, shard: int) -> None:
 
 async def _run_node(config: Path, node_id: int) -> None:
     from kvps.node import Node
+    from kvps.tls import client_context, server_context
 
     cfg = load_cluster(config)
     base = config.parent
     token = _read_tokens(base / cfg.token_file)[0]
-    node = Node(cfg, node_id, config, base / cfg.node(node_id).data_dir, token)
+    node = Node(cfg, node_id, config, base / cfg.node(node_id).data_dir, token,
+                server_ssl=server_context(cfg, base), client_ssl=client_context(cfg, base))
     await node.run(_stop_event())
 
 
@@ -109,7 +113,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from kvps.local import LocalCluster, wait_until
 
     cluster = LocalCluster(args.data_dir, nodes=args.nodes, shards=args.shards,
-                           replicas=args.replicas, port=args.port)
+                           replicas=args.replicas, port=args.port, tls_cert=args.tls_cert or "",
+                           tls_key=args.tls_key or "", tls_ca=args.tls_ca or "")
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -138,30 +143,40 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 # ---- kvps status -------------------------------------------------------------------------------
 
-def _get_json(url: str, timeout: float = 3.0) -> dict:
+def _get_json(url: str, timeout: float = 3.0, cafile: str | None = None) -> dict:
+    import ssl
+    ctx = ssl.create_default_context(cafile=cafile) if cafile else None
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(url, timeout=timeout, context=ctx) as resp:
             return json.loads(resp.read())
     except (OSError, urllib.error.URLError, ValueError) as exc:
         raise KvpsError(f"cannot reach {url}: {exc}") from exc
 
 
 def format_status(cmap: dict) -> str:
-    lines = [f"{'shard':>5}  {'leader':>6}  {'term':>5}  {'replicas (node:role commit/applied)'}"]
+    """One line per shard: leader, term, the worst follower lag, health, then every replica."""
+    lines = [f"{'shard':>5}  {'leader':>6}  {'term':>5}  {'lag':>5}  {'health':<9}  "
+             f"replicas (node:role applied)"]
+    degraded = 0
     for shard in cmap["shards"]:
-        reps = "  ".join(
-            f"{r['node']}:{r.get('role', '?')[:1].upper()} {r.get('commit_index') or '-'}/"
-            f"{r.get('applied_index') or '-'}" for r in shard["replicas"])
-        leader = "-" if shard["leader"] is None else str(shard["leader"])
-        lines.append(f"{shard['id']:>5}  {leader:>6}  {shard['term'] or 0:>5}  {reps}")
+        reps = shard["replicas"]
+        leader = next((r for r in reps if r.get("role") == "leader"), None)
+        commit = (leader or {}).get("commit_index") or 0
+        lag = max((commit - (r.get("applied_index") or 0) for r in reps if r is not leader), default=0)
+        alive = sum(1 for r in reps if r.get("alive"))
+        health = "ok" if leader and alive == len(reps) else ("degraded" if leader else "NO LEADER")
+        degraded += health != "ok"
+        cells = "  ".join(f"{r['node']}:{(r.get('role') or '?')[:1].upper()} {r.get('applied_index') or '-'}"
+                          for r in reps)
+        lines.append(f"{shard['id']:>5}  {'-' if leader is None else leader['node']:>6}  "
+                     f"{shard['term'] or 0:>5}  {lag if leader else '-':>5}  {health:<9}  {cells}")
     nodes = ", ".join(f"{n['id']}:{'up' if n['reachable'] else 'DOWN'}" for n in cmap["nodes"])
-    healthy = all(s["leader"] is not None for s in cmap["shards"])
-    lines.append(f"nodes: {nodes}    health: {'ok' if healthy else 'DEGRADED (shards without leader)'}")
+    lines.append(f"nodes: {nodes}    {len(cmap['shards']) - degraded}/{len(cmap['shards'])} shards healthy")
     return "\n".join(lines)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    cmap = _get_json(args.endpoint.rstrip("/") + "/v1/cluster")
+    cmap = _get_json(args.endpoint.rstrip("/") + "/v1/cluster", cafile=args.cafile)
     print(json.dumps(cmap, indent=2) if args.json else format_status(cmap))
     return 0
 
@@ -182,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--replicas", type=int, default=3)
     up.add_argument("--port", type=int, default=7100)
     up.add_argument("--data-dir", default="./kvps-data")
+    up.add_argument("--tls-cert", help="serve client and admin traffic over HTTPS with this PEM certificate")
+    up.add_argument("--tls-key", help="the certificate's PEM private key")
+    up.add_argument("--tls-ca", help="CA that signed the certificate (default: the certificate itself)")
 
     node = sub.add_parser("node", help="run one node of a cluster")
     node.add_argument("--config", required=True)
@@ -195,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="shards, leaders, terms, health")
     st.add_argument("--endpoint", default=os.environ.get("KVPS_ENDPOINT", DEFAULT_ENDPOINT))
     st.add_argument("--json", action="store_true")
+    st.add_argument("--cafile", default=os.environ.get("KVPS_CAFILE"),
+                    help="CA certificate to verify an https endpoint (default $KVPS_CAFILE)")
 
     # Subcommands implemented in their own packages; they parse their own arguments.
     chaos = sub.add_parser("chaos", help="fault injection under training, with checks and a report",

@@ -123,19 +123,22 @@ class NodeConfig:
     # Replica of shard s on this node: raft port = port_base + 2*s, data port = port_base + 2*s + 1.
     port_base: int = 7200
     data_dir: str = ""
+    # "https" when the cluster serves TLS (see ClusterConfig.tls_cert); Raft peer traffic is
+    # authenticated with the cluster secret either way.
+    scheme: str = "http"
 
     def raft_address(self, shard: int) -> str:
         return f"{self.host}:{self.port_base + 2 * shard}"
 
     def data_url(self, shard: int) -> str:
-        return f"http://{self.host}:{self.port_base + 2 * shard + 1}"
+        return f"{self.scheme}://{self.host}:{self.port_base + 2 * shard + 1}"
 
     def data_port(self, shard: int) -> int:
         return self.port_base + 2 * shard + 1
 
     @property
     def admin_url(self) -> str:
-        return f"http://{self.host}:{self.admin_port}"
+        return f"{self.scheme}://{self.host}:{self.admin_port}"
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,12 @@ class ClusterConfig:
     # Files next to cluster.toml (relative paths are resolved against its directory).
     secret_file: str = "secret"
     token_file: str = "token"
+    # Optional TLS for client and admin traffic (PEM files). Empty: plain HTTP on loopback.
+    # tls_ca is what clients and nodes verify servers with (default: tls_cert itself, which
+    # suits a self-signed certificate).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
     raft: RaftConfig = field(default_factory=RaftConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
@@ -166,6 +175,12 @@ class ClusterConfig:
         if self.block_bytes * 2 > self.raft.max_command_bytes:
             raise ConfigError("block_bytes must be at most half of raft.max_command_bytes",
                               field="block_bytes")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key must be given together", field="tls_cert")
+        scheme = "https" if self.tls_cert else "http"
+        if any(n.scheme != scheme for n in self.nodes):
+            raise ConfigError(f"every node's scheme must be {scheme!r} when tls_cert is "
+                              f"{'set' if self.tls_cert else 'empty'}", field="nodes")
         self.raft.validate()
         self.server.validate()
         return self

@@ -11,6 +11,7 @@ import os
 import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -59,14 +60,21 @@ def free_port_base(count: int, *, seed: int | None = None) -> int:
     raise Unavailable(f"no block of {count} free ports found")
 
 
+def _abs(path: str | Path) -> str:
+    return str(Path(path).resolve()) if path else ""
+
+
 def make_config(*, nodes: int, shards: int, replicas: int, port: int, block_bytes: int,
-                raft: RaftConfig, server: ServerConfig) -> ClusterConfig:
+                raft: RaftConfig, server: ServerConfig, tls_cert: str = "", tls_key: str = "",
+                tls_ca: str = "") -> ClusterConfig:
+    scheme = "https" if tls_cert else "http"
     node_cfgs = tuple(
         NodeConfig(id=i, host="127.0.0.1", admin_port=port + i,
-                   port_base=port + nodes + i * 2 * shards, data_dir=f"node-{i}")
+                   port_base=port + nodes + i * 2 * shards, data_dir=f"node-{i}", scheme=scheme)
         for i in range(nodes))
     return ClusterConfig(nodes=node_cfgs, shards=shards, replicas=replicas, block_bytes=block_bytes,
-                         raft=raft, server=server).validate()
+                         raft=raft, server=server, tls_cert=tls_cert, tls_key=tls_key,
+                         tls_ca=tls_ca).validate()
 
 
 def ports_needed(nodes: int, shards: int) -> int:
@@ -77,14 +85,18 @@ class LocalCluster:
     def __init__(self, data_dir: str | Path, *, nodes: int = 3, shards: int = 8, replicas: int = 3,
                  port: int | None = None, block_bytes: int = 1 << 20,
                  raft: RaftConfig | None = None, server: ServerConfig | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, tls_cert: str | Path = "",
+                 tls_key: str | Path = "", tls_ca: str | Path = "") -> None:
         self.data_dir = Path(data_dir).resolve()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if port is None:
             port = free_port_base(ports_needed(nodes, shards))
         self.cfg = make_config(nodes=nodes, shards=shards, replicas=min(replicas, nodes), port=port,
                                block_bytes=block_bytes, raft=raft or RaftConfig(),
-                               server=server or ServerConfig())
+                               server=server or ServerConfig(), tls_cert=_abs(tls_cert),
+                               tls_key=_abs(tls_key), tls_ca=_abs(tls_ca))
+        self.ssl = ssl.create_default_context(cafile=self.cfg.tls_ca or self.cfg.tls_cert) \
+            if self.cfg.tls_cert else None
         self.config_path = self.data_dir / "cluster.toml"
         self.env = env or {}
         self.procs: dict[int, subprocess.Popen] = {}
@@ -156,7 +168,8 @@ class LocalCluster:
             if proc is None or proc.poll() is not None:
                 continue
             try:
-                with urllib.request.urlopen(node.admin_url + "/v1/cluster", timeout=timeout) as r:
+                with urllib.request.urlopen(node.admin_url + "/v1/cluster", timeout=timeout,
+                                            context=self.ssl) as r:
                     return json.loads(r.read())
             except (OSError, urllib.error.URLError, ValueError):
                 continue

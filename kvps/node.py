@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from aiohttp import web
 from kvps.config import ClusterConfig
 from kvps.errors import KvpsError
 from kvps.metrics import CONTENT_TYPE, NodeMetrics, merge_expositions
+from kvps.openapi import document
 from kvps.process import python_module_args, spawn, stop_process
 
 __all__ = ["Node"]
@@ -54,7 +56,10 @@ class ReplicaProcess:
 
 class Node:
     def __init__(self, cfg: ClusterConfig, node_id: int, config_path: Path, data_dir: Path,
-                 token: str) -> None:
+                 token: str, *, server_ssl: ssl.SSLContext | None = None,
+                 client_ssl: ssl.SSLContext | None = None) -> None:
+        self._server_ssl = server_ssl
+        self._client_ssl = client_ssl
         self.cfg = cfg
         self.node_id = node_id
         self.config_path = config_path
@@ -193,7 +198,7 @@ class Node:
             from kvps_client import Client  # the node reads keys like any client would
             try:
                 async with Client([self.cfg.node(self.node_id).admin_url], token=self.token,
-                                  timeout=5.0) as c:
+                                  timeout=5.0, ssl=self._client_ssl) as c:
                     return web.json_response({"keys": await c.keys()})
             except KvpsError as exc:
                 return web.json_response(exc.to_dict(), status=exc.http_status)
@@ -204,7 +209,11 @@ class Node:
         app.router.add_get("/v1/node", node)
         app.router.add_get("/v1/cluster", cluster)
         app.router.add_get("/v1/shards/{id}", shard)
+        async def openapi(request: web.Request) -> web.Response:
+            return web.json_response(document())
+
         app.router.add_get("/v1/keys", keys)
+        app.router.add_get("/v1/openapi.json", openapi)
         return app
 
     async def metrics_text(self) -> str:
@@ -252,11 +261,13 @@ class Node:
                 "counters": counters}
 
     async def run(self, stop: asyncio.Event) -> None:
-        self._session = aiohttp.ClientSession()
+        connector = aiohttp.TCPConnector(ssl=self._client_ssl if self._client_ssl else True)
+        self._session = aiohttp.ClientSession(connector=connector)
         runner = web.AppRunner(self.make_app(), access_log=None)
         await runner.setup()
         me = self.cfg.node(self.node_id)
-        site = web.TCPSite(runner, me.host, me.admin_port, reuse_address=True)
+        site = web.TCPSite(runner, me.host, me.admin_port, reuse_address=True,
+                           ssl_context=self._server_ssl)
         await site.start()
         log.info("node %d: admin API on %s", self.node_id, me.admin_url)
         loop_task = asyncio.create_task(self._loop())

@@ -18,9 +18,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def make_cluster(tmp_path: Path, *, nodes: int = 3, shards: int = 2, replicas: int = 3,
-                 server: ServerConfig | None = None, raft: RaftConfig | None = None) -> LocalCluster:
+                 server: ServerConfig | None = None, raft: RaftConfig | None = None,
+                 **kwargs) -> LocalCluster:
     return LocalCluster(tmp_path / "cluster", nodes=nodes, shards=shards, replicas=replicas,
-                        server=server, raft=raft, env={"KVPS_LOG_LEVEL": "info"})
+                        server=server, raft=raft, env={"KVPS_LOG_LEVEL": "info"}, **kwargs)
 
 
 def dump_logs(cluster: LocalCluster) -> None:

@@ -176,7 +176,8 @@ def test_node_admin_routes_are_read_only(cluster):
     routes = {(r.method, r.resource.canonical) for r in node.make_app().router.routes()
               if r.method != "HEAD"}
     assert routes == {("GET", p) for p in ("/healthz", "/readyz", "/metrics", "/v1/node",
-                                          "/v1/cluster", "/v1/shards/{id}", "/v1/keys")}
+                                          "/v1/cluster", "/v1/shards/{id}", "/v1/keys",
+                                          "/v1/openapi.json")}
 
 
 def test_token_rotation_without_downtime(cluster):
@@ -299,3 +300,71 @@ def test_fuzz_data_endpoints_never_5xx_and_never_change_state_on_rejection(clust
     one()
     assert seen["rejected"] > 500  # the fuzz mostly produced junk, and all of it was refused cleanly
     assert state_hash(base, cluster.token)  # and the replica still serves
+
+
+def test_tls_for_client_and_admin_traffic(tmp_path, cluster_factory):
+    import ssl
+
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    ca_pem, cert_pem, key_pem = tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem"
+    ca.cert_pem.write_to_path(str(ca_pem))
+    cert.cert_chain_pems[0].write_to_path(str(cert_pem))
+    cert.private_key_pem.write_to_path(str(key_pem))
+    c = cluster_factory(shards=1, tls_cert=cert_pem, tls_key=key_pem, tls_ca=ca_pem).start()
+    assert c.endpoints[0].startswith("https://")
+
+    async def main(ssl_arg):
+        async with kc.Client(c.endpoints, token=c.token, seed=0, ssl=ssl_arg, timeout=5) as ps:
+            await ps.create("tls/w", np.zeros(4, np.float32))
+            await ps.push({"tls/w": np.ones(4, np.float32)})
+            return (await ps.pull("tls/w"))["tls/w"], len(await ps.keys())
+
+    value, n = asyncio.run(main(str(ca_pem)))
+    assert np.all(value == 1) and n == 1
+    # admin API over https, verified with the CA; /v1/keys goes through the node's own client
+    ctx = ssl.create_default_context(cafile=str(ca_pem))
+    with urllib.request.urlopen(c.endpoints[0] + "/v1/keys", context=ctx, timeout=5) as resp:
+        assert [k["key"] for k in json.loads(resp.read())["keys"]] == ["tls/w"]
+    # a client that does not trust the CA gets no answer it could be fooled by
+    with pytest.raises(kc.Unavailable):
+        asyncio.run(main(None))
+    # and plain http to a TLS port is refused
+    with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+        urllib.request.urlopen(c.endpoints[0].replace("https://", "http://") + "/healthz", timeout=5)
+
+
+def test_openapi_document_matches_the_routers_and_live_responses(cluster):
+    import jsonschema
+
+    from kvps.node import Node
+    from kvps.openapi import ADMIN_PATHS, DATA_PATHS
+
+    status, body = get(cluster.endpoints[0] + "/v1/openapi.json")
+    doc = json.loads(body)
+    assert status == 200 and doc["openapi"].startswith("3.1")
+    node = Node(cluster.cfg, 0, cluster.config_path, cluster.data_dir / "node-0", cluster.token)
+    served = {(r.method.lower(), r.resource.canonical) for r in node.make_app().router.routes()
+              if r.method != "HEAD"}
+    assert served == {(m, p) for p, ops in ADMIN_PATHS.items() for m in ops}
+    assert {(m.lower(), p) for m, p in _replica_routes(cluster) if "{op}" not in p and "/rpc/" not in p} \
+        | {("post", "/v1/rpc/{op}")} == {(m, p) for p, ops in DATA_PATHS.items() for m in ops}
+    ops = doc["paths"]["/replica/v1/rpc/{op}"]["post"]["parameters"][0]["schema"]["enum"]
+    assert sorted(ops) == sorted(HANDLERS)
+    # live responses of every JSON admin route validate against the documented schema
+    asyncio.run(_make_some_keys(cluster))
+    for path, ops_ in ADMIN_PATHS.items():
+        content = ops_["get"]["responses"]["200"]["content"]
+        if "application/json" not in content or path == "/v1/openapi.json":
+            continue
+        status, body = get(cluster.endpoints[0] + path.replace("{id}", "0"))
+        assert status == 200, path
+        jsonschema.validate(json.loads(body), content["application/json"]["schema"])
+
+
+async def _make_some_keys(cluster):
+    async with client(cluster) as ps:
+        await ps.create("oa/w", np.zeros(4, np.float32))
+        await ps.push({"oa/w": np.ones(4, np.float32)})

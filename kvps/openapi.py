@@ -1,0 +1,136 @@
+"""The OpenAPI 3.1 document for the node admin API and the replica data API.
+
+Served at ``GET /v1/openapi.json`` by every node. ``tests/test_openapi.py`` checks it against the
+real routers (every route documented, nothing documented that is not served) and validates live
+responses against the schemas here, so the document cannot drift from the handlers.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ADMIN_PATHS", "DATA_PATHS", "document"]
+
+_int = {"type": "integer"}
+_str = {"type": "string"}
+_bool = {"type": "boolean"}
+_opt_int = {"type": ["integer", "null"]}
+_opt_str = {"type": ["string", "null"]}
+
+REPLICA_VIEW = {
+    "type": "object",
+    "required": ["shard", "node", "alive", "pid", "role", "raft", "data_url", "term",
+                 "commit_index", "applied_index"],
+    "properties": {
+        "shard": _int, "node": _int, "alive": _bool, "pid": _opt_int, "restarts": _int,
+        "role": {"enum": ["leader", "follower", "candidate", "unknown"]},
+        "raft": _str, "data_url": _str, "term": _opt_int, "leader": _opt_int,
+        "serving": _bool, "commit_index": _opt_int, "applied_index": _opt_int,
+        "log_entries": _opt_int,
+    },
+}
+SHARD_VIEW = {
+    "type": "object",
+    "required": ["id", "leader", "leader_url", "term", "replicas"],
+    "properties": {"id": _int, "leader": _opt_int, "leader_url": _opt_str, "term": _int,
+                   "replicas": {"type": "array", "items": REPLICA_VIEW}},
+}
+CLUSTER = {
+    "type": "object",
+    "required": ["cluster", "nodes", "shards"],
+    "properties": {
+        "cluster": {"type": "object", "required": ["shards", "replicas", "block_bytes", "max_push_bytes"],
+                    "properties": {"shards": _int, "replicas": _int, "block_bytes": _int,
+                                   "max_push_bytes": _int}},
+        "nodes": {"type": "array", "items": {
+            "type": "object", "required": ["id", "admin_url", "reachable"],
+            "properties": {"id": _int, "admin_url": _str, "reachable": _bool}}},
+        "shards": {"type": "array", "items": SHARD_VIEW},
+    },
+}
+NODE = {"type": "object", "required": ["node", "admin_url", "replicas"],
+        "properties": {"node": _int, "admin_url": _str, "replicas": {"type": "array", "items": REPLICA_VIEW}}}
+SHARD_DETAIL = {
+    "allOf": [SHARD_VIEW, {
+        "type": "object",
+        "required": ["lag", "hot_keys", "batches", "mean_batch_pushes", "counters"],
+        "properties": {
+            "lag": {"type": "object", "additionalProperties": {
+                "type": "object", "required": ["connected", "match_index", "lag_entries", "lag_seconds"],
+                "properties": {"connected": _bool, "match_index": _opt_int, "lag_entries": _opt_int,
+                               "lag_seconds": {"type": ["number", "null"]}}}},
+            "hot_keys": {"type": "array", "items": {"type": "object", "required": ["key", "push_bytes"],
+                                                    "properties": {"key": _str, "push_bytes": _int}}},
+            "in_flight_bytes": _opt_int, "batches": _int,
+            "mean_batch_pushes": {"type": ["number", "null"]},
+            "counters": {"type": "object", "additionalProperties": _int},
+        }}],
+}
+KEYS = {"type": "object", "required": ["keys"],
+        "properties": {"keys": {"type": "array", "items": {
+            "type": "object", "required": ["key", "kind", "dtype"],
+            "properties": {"key": _str, "kind": {"enum": ["dense", "table"]}, "dtype": _str}}}}}
+READY = {"type": "object", "required": ["ready"],
+         "properties": {"ready": _bool, "shards_without_leader": {"type": "array", "items": _int}}}
+ERROR = {"type": "object", "required": ["error", "message"],
+         "properties": {"error": _str, "message": _str, "fields": {"type": "object"}}}
+
+
+def _json(schema: dict, description: str = "OK") -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _text(description: str, media: str = "text/plain") -> dict:
+    return {"description": description, "content": {media: {"schema": _str}}}
+
+
+ADMIN_PATHS: dict[str, dict[str, Any]] = {
+    "/healthz": {"get": {"summary": "The node process is up", "responses": {"200": _text("ok")}}},
+    "/readyz": {"get": {"summary": "Every hosted replica knows a leader",
+                        "responses": {"200": _json(READY), "503": _json(READY, "not ready")}}},
+    "/metrics": {"get": {"summary": "Prometheus text format, kvps_ prefix (node and its replicas)",
+                         "responses": {"200": _text("exposition", "text/plain; version=0.0.4")}}},
+    "/v1/node": {"get": {"summary": "This node's replicas", "responses": {"200": _json(NODE)}}},
+    "/v1/cluster": {"get": {"summary": "The cluster map clients route with",
+                            "responses": {"200": _json(CLUSTER)}}},
+    "/v1/shards/{id}": {"get": {
+        "summary": "One shard: replicas, lag, batching, hot keys",
+        "parameters": [{"name": "id", "in": "path", "required": True, "schema": _int}],
+        "responses": {"200": _json(SHARD_DETAIL), "404": _json(ERROR, "no such shard")}}},
+    "/v1/keys": {"get": {"summary": "Every key (dense and tables)", "responses": {"200": _json(KEYS)}}},
+    "/v1/openapi.json": {"get": {"summary": "This document", "responses": {"200": _json({"type": "object"})}}},
+}
+
+_BEARER = [{"bearer": []}]
+DATA_PATHS: dict[str, dict[str, Any]] = {
+    "/v1/rpc/{op}": {"post": {
+        "summary": "Data-plane operation on one shard replica (binary kvps frames, see docs/architecture.md)",
+        "security": _BEARER,
+        "parameters": [{"name": "op", "in": "path", "required": True, "schema": {"enum": [
+            "push", "pull", "pull_rows", "create_key", "create_table", "delete_key", "set",
+            "describe", "keys", "state_hash"]}}],
+        "requestBody": {"required": True, "content": {"application/x-kvps-frame": {"schema": _str}}},
+        "responses": {"200": {"description": "response frame",
+                              "content": {"application/x-kvps-frame": {"schema": _str}}},
+                      **{code: _json(ERROR, why) for code, why in [
+                          ("400", "invalid request"), ("401", "missing or wrong token"),
+                          ("404", "no such key"), ("409", "version conflict or key exists"),
+                          ("413", "body too large"), ("421", "not the leader (fields.leader_hint)"),
+                          ("429", "overloaded"), ("503", "unavailable"), ("504", "timeout")]}}}},
+    "/v1/status": {"get": {"summary": "This replica's Raft status", "security": _BEARER,
+                           "responses": {"200": _json({"type": "object"}), "401": _json(ERROR)}}},
+    "/healthz": {"get": {"summary": "The replica process is up", "responses": {"200": _text("ok")}}},
+    "/metrics": {"get": {"summary": "This replica's metrics",
+                         "responses": {"200": _text("exposition", "text/plain; version=0.0.4")}}},
+}
+
+
+def document() -> dict[str, Any]:
+    data = {f"/replica{path}": {**ops} for path, ops in DATA_PATHS.items()}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kvps", "version": "1", "description":
+                 "Node admin API. Paths under /replica/ are served by each shard replica's data "
+                 "endpoint (its own port, see /v1/cluster), without the /replica prefix."},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "paths": {**ADMIN_PATHS, **data},
+    }
