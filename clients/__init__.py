@@ -30,6 +30,7 @@ from kvps.initializer import Constant, Normal, Uniform, Zeros
 from kvps.optimizer import SGD, Adagrad, Adam, Add
 
 from ._client import Client, ClientStats, RetryPolicy
+from ._clock import StepClock
 from ._sync import SyncClient
 from ._transport import HttpTransport, MockTransport, Transport
 
@@ -59,6 +60,7 @@ __all__ = [
     "RetryableError",
     "SGD",
     "ShapeMismatch",
+    "StepClock",
     "SyncClient",
     "Timeout",
     "Transport",

@@ -433,6 +433,24 @@ class Client:
             return 0
         return (await self._push_requests(requests)).get(key, 0)
 
+    # ---- worker clocks (bounded-staleness and synchronous training; see StepClock) -----------
+
+    def _clock_shard(self, job: str) -> int:
+        return block_shard("__clock/" + job, 0, self.cluster_map.shards)
+
+    async def clock_tick(self, job: str, worker: str, step: int, *, lease_s: float) -> dict[str, int]:
+        """Record that ``worker`` of ``job`` has completed ``step`` steps; the clock lives
+        ``lease_s`` seconds unless renewed (0 removes the worker). Returns the job's live clocks
+        ``{worker: step}``. Safe to retry: steps never go back while the lease lives."""
+        resp = await self._call(self._clock_shard(job), "clock_tick",
+                                {"job": job, "worker": worker, "step": int(step), "lease_s": float(lease_s)})
+        return resp.meta["clocks"]
+
+    async def clocks(self, job: str) -> dict[str, int]:
+        """The live clocks of ``job``: ``{worker: completed steps}``, expired workers left out."""
+        resp = await self._call(self._clock_shard(job), "clocks", {"job": job})
+        return resp.meta["clocks"]
+
 
 class _DenseCache:
     """The blocks of one dense key this client holds, with their versions (for incremental pulls)."""

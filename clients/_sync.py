@@ -70,3 +70,5 @@ class SyncClient:
     def set(self, key, value, **kw): return self._run(self._client.set(key, value, **kw))
     def pull_rows(self, key, ids, **kw): return self._run(self._client.pull_rows(key, ids, **kw))
     def push_rows(self, key, ids, grads): return self._run(self._client.push_rows(key, ids, grads))
+    def clock_tick(self, job, worker, step, **kw): return self._run(self._client.clock_tick(job, worker, step, **kw))
+    def clocks(self, job): return self._run(self._client.clocks(job))

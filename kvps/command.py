@@ -26,6 +26,7 @@ from kvps.placement import VALUE_DTYPES, DenseLayout
 
 __all__ = [
     "Barrier",
+    "ClockTick",
     "Command",
     "CreateKey",
     "CreateTable",
@@ -42,6 +43,7 @@ __all__ = [
 MERGE_MODES = ("sum", "mean")
 MAX_KEY_CHARS = 1024
 MAX_CLIENT_CHARS = 128
+MAX_LEASE_S = 86400.0  # a day: a longer lease would let a dead worker block its job indefinitely
 DEFAULT_MAX_COMMAND_BYTES = 1 << 30  # raw-size cap when decoding; the leader bounds commands far lower
 
 
@@ -342,7 +344,31 @@ class Barrier(_Base):
         return _encode({"type": "barrier", "term": self.term, "replica": self.replica})
 
 
-Command = Union[CreateKey, CreateTable, DeleteKey, Push, Set, Barrier]
+@dataclass(frozen=True, eq=False)
+class ClockTick(_Base):
+    """Worker ``worker`` of training job ``job`` has completed ``step`` steps; its clock lives until
+    ``now + lease_s`` (leader time) unless renewed. ``lease_s == 0`` removes the worker (it left)."""
+
+    now: float
+    job: str
+    worker: str
+    step: int
+    lease_s: float
+
+    def __post_init__(self) -> None:
+        lease = self.lease_s
+        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0 <= lease <= MAX_LEASE_S:
+            raise _bad("lease_s", f"a number in [0, {MAX_LEASE_S}]")
+        _set_fields(self, now=_time(self.now), job=_str(self.job, "job", MAX_KEY_CHARS),
+                    worker=_str(self.worker, "worker", MAX_CLIENT_CHARS), step=_int(self.step, "step"),
+                    lease_s=float(lease))
+
+    def to_bytes(self) -> bytes:
+        return _encode({"type": "clock_tick", "now": self.now, "job": self.job, "worker": self.worker,
+                        "step": self.step, "lease_s": self.lease_s})
+
+
+Command = Union[CreateKey, CreateTable, DeleteKey, Push, Set, Barrier, ClockTick]
 
 
 # ---- encoding -----------------------------------------------------------------------------------
@@ -396,6 +422,8 @@ def _decode(m: dict, arrays: tuple) -> Any:
         return DeleteKey(m["key"])
     if kind == "barrier":
         return Barrier(m["term"], m["replica"])
+    if kind == "clock_tick":
+        return ClockTick(m["now"], m["job"], m["worker"], m["step"], m["lease_s"])
     raise InvalidRequest(f"unknown command type {kind!r}")
 
 

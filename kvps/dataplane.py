@@ -19,7 +19,7 @@ import numpy as np
 from aiohttp import web
 
 from kvps.auth import TokenStore
-from kvps.command import CreateKey, CreateTable, DeleteKey, Set
+from kvps.command import ClockTick, CreateKey, CreateTable, DeleteKey, Set
 from kvps.delta import frame
 from kvps.errors import InvalidRequest, KvpsError, RequestTooLarge, Timeout
 from kvps.merge import PushRequest
@@ -249,6 +249,18 @@ async def _set(replica: Replica, req: frame.Frame):
     return {"versions": result["versions"]}, ()
 
 
+async def _clock_tick(replica: Replica, req: frame.Frame):
+    m = req.meta
+    cmd = ClockTick(now=time.time(), job=_field(m, "job", str), worker=_field(m, "worker", str),
+                    step=_field(m, "step", int), lease_s=_field(m, "lease_s", (int, float)))
+    return await replica.write(cmd), ()
+
+
+async def _clocks(replica: Replica, req: frame.Frame):
+    await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
+    return {"clocks": replica.clocks(_field(req.meta, "job", str))}, ()
+
+
 async def _describe(replica: Replica, req: frame.Frame):
     await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
     return {"info": replica.describe(_key(req.meta))}, ()
@@ -274,4 +286,6 @@ HANDLERS: dict[str, Handler] = {
     "describe": _describe,
     "keys": _keys,
     "state_hash": _state_hash,
+    "clock_tick": _clock_tick,
+    "clocks": _clocks,
 }

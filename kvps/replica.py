@@ -22,7 +22,9 @@ from typing import Any
 import numpy as np
 
 from kvps.batcher import PushBatcher
-from kvps.command import Barrier, Command, CreateKey, CreateTable, DeleteKey, Set, decode_command
+from kvps.command import (
+    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Set, decode_command,
+)
 from kvps.config import ClusterConfig
 from kvps.errors import (
     CodecError, InvalidRequest, KeyNotFound, KvpsError, NotLeader, Unavailable,
@@ -249,7 +251,7 @@ class Replica:
         return _unwrap(await self._batcher.submit(req))
 
     async def write(self, cmd: Command) -> dict:
-        """Create, delete and set: proposed alone (not merged)."""
+        """Create, delete, set and clock ticks: proposed alone (not merged)."""
         await self.ensure_serving()
         if isinstance(cmd, Set):
             with self._lock:
@@ -259,7 +261,7 @@ class Replica:
                 return _unwrap(done)
             if err is not None:
                 raise err
-        elif not isinstance(cmd, (CreateKey, CreateTable, DeleteKey)):
+        elif not isinstance(cmd, (CreateKey, CreateTable, DeleteKey, ClockTick)):
             raise InvalidRequest(f"not a write command: {type(cmd).__name__}")
         return _unwrap(await self._propose(cmd.to_bytes()))
 
@@ -320,6 +322,11 @@ class Replica:
     def read_rows(self, key: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         with self._lock:
             return self._state.read_rows(key, ids)
+
+    def clocks(self, job: str) -> dict[str, int]:
+        """Live worker clocks of ``job``; leases are judged by this replica's wall clock."""
+        with self._lock:
+            return self._state.clocks(job, time.time())
 
     def describe(self, key: str) -> dict:
         with self._lock:

@@ -19,7 +19,10 @@ from typing import Any
 import numpy as np
 
 from kvps.applied import AppliedTable, Result
-from kvps.command import Barrier, Command, CreateKey, CreateTable, DeleteKey, Push, PushId, Set
+from kvps.clocks import ClockTable
+from kvps.command import (
+    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Push, PushId, Set,
+)
 from kvps.delta import frame
 from kvps.errors import (
     CodecError, InvalidRequest, KeyExists, KeyNotFound, KvpsError, ShapeMismatch, Unavailable,
@@ -140,6 +143,7 @@ class ShardState:
         self.dedup = dedup
         self._keys: dict[str, Entry] = {}
         self._applied = AppliedTable(self.session_ttl)
+        self._clocks = ClockTable()
 
     # ---- apply ------------------------------------------------------------------------------
 
@@ -189,6 +193,9 @@ class ShardState:
 
     def _barrier(self, cmd: Barrier) -> dict:
         return {"barrier": cmd.term}
+
+    def _clock_tick(self, cmd: ClockTick) -> dict:
+        return {"clocks": self._clocks.tick(cmd.now, cmd.job, cmd.worker, cmd.step, cmd.lease_s)}
 
     def _push(self, cmd: Push) -> dict:
         if self.dedup:
@@ -337,6 +344,10 @@ class ShardState:
             raise InvalidRequest("row ids must be a 1-d integer array", key=key)
         return table.read(ids.astype(np.int64))
 
+    def clocks(self, job: str, now: float) -> dict[str, int]:
+        """The live worker clocks of ``job`` at ``now`` (the reader's time)."""
+        return self._clocks.live(job, now)
+
     def lookup_push(self, client: str, seq: int) -> Result | None:
         return self._applied.lookup(client, seq) if self.dedup else None
 
@@ -391,6 +402,8 @@ class ShardState:
         arrays.append(np.frombuffer(sessions.encode("utf-8"), dtype=np.uint8))
         meta = {"format": SNAPSHOT_FORMAT, "shard": self.shard, "session_ttl": self.session_ttl,
                 "dedup": self.dedup, "keys": metas}
+        if self._clocks.jobs:  # only when present: snapshots without clocks keep their old bytes
+            meta["clocks"] = self._clocks.to_json()
         return frame.encode(frame.KIND_SNAPSHOT, meta, arrays)
 
     @classmethod
@@ -420,6 +433,7 @@ class ShardState:
         if at != len(arrays) - 1:
             raise ValueError("snapshot carries unnamed arrays")
         state._applied.load_json(json.loads(arrays[-1].tobytes().decode("utf-8")))
+        state._clocks.load_json(m.get("clocks", []))
         return state
 
     def state_hash(self) -> str:
@@ -453,4 +467,5 @@ _HANDLERS = {
     Push: ShardState._push,
     Set: ShardState._set,
     Barrier: ShardState._barrier,
+    ClockTick: ShardState._clock_tick,
 }
