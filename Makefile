@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install chaos-deps test test-fast demo bench chaos clean
 
 install: $(STAMP)
 
@@ -18,7 +18,16 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[test,plots]"
 	touch $(STAMP)
 
-test: install
+# kvps chaos puts every node in its own network namespace and injects partitions, loss and delay
+# with nftables; without them (not root, no apt) it runs on loopback with process faults only.
+# Best effort, and a no-op when nft is already there.
+chaos-deps:
+	@if [ "$$(id -u)" = 0 ] && ! command -v nft >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
+	  (apt-get install -y -q nftables iproute2 >/dev/null 2>&1 || \
+	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q nftables iproute2 >/dev/null 2>&1)) || \
+	  echo "nftables not installed: kvps chaos will run in loopback mode"; fi
+
+test: install chaos-deps
 	$(VENV)/bin/pytest -q
 
 test-fast: install
@@ -30,5 +39,9 @@ demo: install
 bench: install
 	$(PY) benchmarks/replicated_push.py
 
+# A chaos run under training (DURATION=600 for the soak); report in chaos-out/.
+chaos: install chaos-deps
+	$(VENV)/bin/kvps chaos --duration $(or $(DURATION),120) --out chaos-out
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis demo-out
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis demo-out chaos-out

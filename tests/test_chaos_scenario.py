@@ -1,0 +1,57 @@
+"""Chaos runs against real clusters: the CI scenario (every fault kind this machine can inject,
+about two minutes) must pass, and the same harness must fail against a deliberately broken build.
+
+The seed is fixed so CI is reproducible; set KVPS_CHAOS_SEED to explore others. Every failure
+message carries the seed and the command that replays the run.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from kvps_chaos.faults import ALL_FAULTS, NETNS_ONLY
+from kvps_chaos.runner import ChaosOptions, run_chaos
+
+pytestmark = pytest.mark.cluster
+
+SEED = int(os.environ.get("KVPS_CHAOS_SEED", "2026"))
+
+
+def _explain(report: dict) -> str:
+    return (f"seed {report['seed']}: {report['failures']}\nreplay: {report['replay']}\n"
+            f"faults: {json.dumps(report['faults'], indent=1)}")
+
+
+def test_chaos_ci_scenario_every_fault_kind_nothing_lost(tmp_path):
+    opts = ChaosOptions(duration=100, seed=SEED, out=tmp_path / "chaos", hold=(1.5, 3.0),
+                        quiet=(0.5, 1.5), progress=False)
+    report = run_chaos(opts)
+    print(f"chaos CI scenario: seed {SEED}, mode {report['mode']}, faults {report['faults_by_kind']}")
+    assert report["ok"], _explain(report)
+    # Every fault kind the environment allows ran at least once; only packet-level faults may be
+    # missing, and only when network namespaces are unavailable.
+    assert set(report["faults_by_kind"]) == set(report["faults_requested"]), _explain(report)
+    assert set(report["faults_not_run"]) <= NETNS_ONLY
+    assert set(report["faults_requested"]) | set(report["faults_not_run"]) == set(ALL_FAULTS)
+    assert report["counter"]["acked"] > 100 and report["linearizability"]["ops"] > 100
+    assert report["counter"]["lost"] == 0 and report["counter"]["applied_twice"] == 0
+    assert report["linearizability"]["ok"] is True
+    assert report["convergence"]["ok"] and report["training"]["ok"]
+    for name in ("report.json", "report.md", "timeline.png"):
+        assert (opts.out / name).stat().st_size > 0
+
+
+def test_chaos_catches_double_applies_in_a_build_without_the_duplicate_table(tmp_path):
+    """The harness's self-test: with ``unsafe_disable_dedup`` every retried push is applied again.
+    Lost replies and leader kills force retries, so the counter check must fail."""
+    opts = ChaosOptions(duration=25, seed=SEED, out=tmp_path / "broken", shards=2, train_workers=1,
+                        register_clients=2, faults=("reply-loss", "kill-leader"),
+                        unsafe_disable_dedup=True, hold=(3.0, 4.0), quiet=(0.5, 1.0), progress=False)
+    report = run_chaos(opts)
+    assert report["replies_lost_on_purpose"] > 0, _explain(report)
+    assert not report["ok"], "the harness did not notice a server without a duplicate table"
+    assert report["counter"]["applied_twice"] > 0, _explain(report)
+    assert any("APPLIED TWICE" in f for f in report["failures"])
+    assert "--unsafe-disable-dedup" in report["replay"]

@@ -1,0 +1,145 @@
+"""The chaos harness's checks, schedule planning and delay proxy, without a cluster."""
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+
+import pytest
+
+from kvps_chaos import checks
+from kvps_chaos.linearizability import UNKNOWN, Operation
+from kvps_chaos.proxy import DelayTable, _pump
+from kvps_chaos.runner import ChaosOptions, plan_faults
+from kvps_chaos.workloads import CounterTally, OpRecord, key_on_shard
+from kvps.placement import block_shard
+
+
+def tally(acked, unknown=0):
+    return CounterTally(acked=acked, unknown=unknown)
+
+
+@pytest.mark.parametrize("acked,unknown,value,lost,twice", [
+    (10, 0, 10, 0, 0),
+    (10, 3, 12, 0, 0),    # two of three unknown-outcome pushes applied: fine
+    (10, 3, 10, 0, 0),    # none applied: fine
+    (10, 0, 9, 1, 0),     # an acknowledged push is missing
+    (10, 2, 13, 0, 1),    # more than acked + unknown: something applied twice
+])
+def test_counter_bounds(acked, unknown, value, lost, twice):
+    res = checks.counter_check({"c": tally(acked, unknown)}, {"c": (float(value), value)})
+    assert (res["lost"], res["applied_twice"]) == (lost, twice)
+    assert res["ok"] == (lost == 0 and twice == 0)
+
+
+def test_counter_value_must_match_version():
+    res = checks.counter_check({"c": tally(5)}, {"c": (5.0, 6)})
+    assert not res["ok"]
+
+
+def test_monotonic_reads_catch_a_version_going_back():
+    def read(client, version, t):
+        return Operation(client, ("read", None), (0.0, version), t, t + 0.1, "r")
+    good = [read("a", 1, 0), read("a", 1, 1), read("a", 2, 2), read("b", 1, 3)]
+    assert checks.monotonic_reads(good, {}, {})["ok"]
+    bad = good + [read("a", 1, 4)]
+    res = checks.monotonic_reads(bad, {}, {})
+    assert not res["ok"] and res["violations"][0]["client"] == "a"
+    # Successive pushes of one client must return strictly increasing versions.
+    assert not checks.monotonic_reads([], {"c": {"x": [1, 3, 3]}}, {})["ok"]
+    assert not checks.monotonic_reads([], {}, {"train0": [5, 4]})["ok"]
+
+
+def test_availability_is_the_longest_gap_between_acks():
+    recs = [OpRecord("counter", 0, "c", t - 0.01, t, True) for t in (1.0, 2.0, 6.0, 7.0)]
+    recs.append(OpRecord("counter", 0, "c", 3.0, 4.0, False))  # failures do not count
+    gaps = checks.availability(recs, 2, 0.0, 8.0)
+    assert gaps[0] == pytest.approx(4.0)
+    assert gaps[1] == pytest.approx(8.0)  # a shard with no traffic was never available
+
+
+def test_failover_is_the_first_ack_of_an_op_invoked_after_the_fault():
+    recs = [OpRecord("counter", 0, "c", 9.5, 10.5, True),    # invoked before the fault
+            OpRecord("counter", 0, "c", 10.2, 12.0, True),
+            OpRecord("counter", 1, "c", 10.1, 10.2, True)]
+    out = checks.failovers([{"kind": "kill-leader", "shard": 0, "start": 10.0},
+                            {"kind": "kill-node", "shard": None, "start": 10.0}], recs, 2)
+    assert out[0]["recovery_s"] == pytest.approx(2.0)
+    assert out[1]["recovery_s"] == pytest.approx(2.0)  # every shard: the slowest one
+    out = checks.failovers([{"kind": "kill-leader", "shard": 1, "start": 11.0}], recs, 2)
+    assert out[0]["recovery_s"] is None  # never recovered
+
+
+def test_loss_falls():
+    falling = [(t, 3.0 - t * 0.2) for t in range(10)]
+    assert checks.loss_falls(falling)["ok"]
+    assert not checks.loss_falls([(t, 2.0) for t in range(10)])["ok"]
+    assert not checks.loss_falls([(0, 2.0)])["ok"]
+
+
+def test_linearizability_report_names_the_stuck_operations():
+    h = [Operation("a", ("write", 1.0), 1, 0, 1, "r"), Operation("b", ("read", None), (0.0, 0), 2, 3, "r"),
+         Operation("a", ("write", 2.0), UNKNOWN, 4, math.inf, "q")]
+    res = checks.linearizability(h, {"r": (0.0, 0), "q": (0.0, 0)})
+    assert res["ok"] is False and res["keys"]["q"]["ok"] is True
+    assert res["keys"]["r"]["stuck"][0]["client"] == "b"
+    assert res["unknown"] == 1
+
+
+def test_plan_faults_drops_packet_faults_in_loopback_and_rejects_unknown_names():
+    run, not_run = plan_faults(ChaosOptions(), "loopback")
+    assert "kill-leader" in run and "partition-leader" in not_run and "delay" in not_run
+    run, not_run = plan_faults(ChaosOptions(), "netns")
+    assert not not_run and len(run) == 10
+    with pytest.raises(ValueError, match="unknown fault"):
+        plan_faults(ChaosOptions(faults=("kill-leader", "meteor")), "netns")
+
+
+def test_replay_command_carries_the_seed():
+    cmd = ChaosOptions(seed=42, duration=30, faults=("kill-leader",)).replay_command()
+    assert "--seed 42" in cmd and "--faults kill-leader" in cmd
+
+
+def test_keys_land_on_the_shard_asked_for():
+    for s in range(8):
+        assert block_shard(key_on_shard("chaos/x", s, 8), 0, 8) == s
+
+
+def test_delay_table_per_destination():
+    t = DelayTable(seed=1)
+    assert t.sample("10.0.0.1") == 0.0
+    t.rules = {"10.0.0.1": (0.05, 0.01)}
+    assert 0.04 <= t.sample("10.0.0.1") <= 0.06 and t.sample("10.0.0.2") == 0.0
+    t.rules = {"*": (0.02, 0.0)}
+    assert t.sample("anything") == 0.02
+
+
+def test_proxy_pump_delays_and_keeps_order():
+    """Bytes come out in order, each chunk no earlier than its delay, even with jitter."""
+    async def main():
+        table = DelayTable(seed=3)
+        table.rules = {"*": (0.05, 0.04)}
+        a, b = socket.socketpair()
+        c, d = socket.socketpair()
+        r1, w1 = await asyncio.open_connection(sock=a)
+        r2, w2 = await asyncio.open_connection(sock=d)
+        src_r, src_w = await asyncio.open_connection(sock=b)
+        dst_r, dst_w = await asyncio.open_connection(sock=c)
+        pump = asyncio.create_task(_pump(src_r, dst_w, "x", table))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        sent = b"".join(bytes([i]) * 100 for i in range(20))
+        for i in range(20):
+            w1.write(bytes([i]) * 100)
+            await w1.drain()
+            await asyncio.sleep(0.002)
+        w1.close()
+        got = await r2.readexactly(len(sent))
+        elapsed = loop.time() - start
+        await pump
+        for w in (w2, src_w, dst_w):
+            w.close()
+        return got == sent, elapsed
+    same, elapsed = asyncio.run(main())
+    assert same
+    assert elapsed >= 0.01  # at least the smallest possible delay
