@@ -1,0 +1,70 @@
+"""What one ``kvps bench`` run measures, and for how long: ``full``, ``quick`` and ``tiny`` (tests)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from kvps.bench.workload import Model
+
+__all__ = ["PLANS", "SECTIONS", "SYSTEMS", "Plan"]
+
+KiB, MiB = 1 << 10, 1 << 20
+SECTIONS = ("b1", "b2", "b3", "b4", "b5")
+SYSTEMS = ("kvps", "redis", "rpc", "inmem")
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    # B1: workers each pulling the whole model and pushing a gradient per tensor, repeatedly.
+    workers: int = 4
+    model: Model = field(default_factory=Model)            # 64 × 1 MiB
+    b1_warmup: float = 3.0                                  # s of steps before counting starts
+    b1_seconds: float = 15.0                                # s counted
+    # The kvps cluster every section uses: `kvps up`'s defaults (3 nodes, 8 shards, 3 replicas).
+    nodes: int = 3
+    shards: int = 8
+    # B2: payload sizes, seconds per (system, size, batching).
+    b2_sizes: tuple[int, ...] = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB)
+    b2_seconds: float = 4.0
+    # B3: leader kills under a training loop on its own, smaller model.
+    b3_kills: int = 12
+    b3_model: Model = field(default_factory=lambda: Model(tensors=16))
+    # B4: pulls of B1's model, repeats per case.
+    b4_repeats: int = 5
+    # B5: seconds per machine limit.
+    b5_seconds: float = 2.0
+
+    def estimates(self, sections: tuple[str, ...], systems: tuple[str, ...]) -> dict[str, float]:
+        """Phase -> rough seconds on the 2-core machine (for the progress bar only)."""
+        b1 = self.b1_warmup + self.b1_seconds
+        est = {"B5 limits": 2 * self.b5_seconds + 3,
+               "B1 inmem": b1 + 3, "B1 rpc": b1 + 25, "start redis": 2, "B1 redis": b1 + 8,
+               "B2 redis": 2 * len(self.b2_sizes) * self.b2_seconds + 2,
+               "start kvps": 15 + self.shards, "B1 kvps": b1 + 10,
+               "B2 kvps": 2 * len(self.b2_sizes) * (self.b2_seconds + 0.5) + 2,
+               "B4 kvps": 4 + 5 * self.b4_repeats * 1.0,
+               "B3 kvps": 5 + 3.5 * self.b3_kills}
+        wanted = {}
+        for phase, seconds in est.items():
+            section, _, system = phase.partition(" ")
+            if section == "start":
+                if system in systems and ({"b1", "b2"} & set(sections) or system == "kvps"):
+                    wanted[phase] = seconds
+            elif section.lower() in sections and (section == "B5" or system in systems):
+                wanted[phase] = seconds
+        return wanted
+
+
+PLANS = {
+    "full": Plan("full"),
+    "quick": Plan("quick", b1_warmup=2.0, b1_seconds=6.0, b2_sizes=(4 * KiB, 64 * KiB, MiB, 4 * MiB),
+                  b2_seconds=1.5, b3_kills=3, b4_repeats=3, b5_seconds=1.0),
+    # For tests: seconds, not minutes. Small model, 2 shards, one of everything.
+    "tiny": Plan("tiny", workers=2, model=Model(tensors=4, tensor_bytes=256 * KiB), b1_warmup=0.3,
+                 b1_seconds=1.0, shards=2, b2_sizes=(64 * KiB,), b2_seconds=0.4, b3_kills=1,
+                 b3_model=Model(tensors=2, tensor_bytes=64 * KiB), b4_repeats=1, b5_seconds=0.2),
+}
+
+
+def with_overrides(plan: Plan, **changes) -> Plan:
+    return replace(plan, **{k: v for k, v in changes.items() if v is not None})

@@ -1,0 +1,229 @@
+"""From a results dict to ``results.json``, ``results.md`` and PNG plots.
+
+``derive()`` adds what is computed from the raw figures: kvps as a fraction of the machine's
+limits (B5) and the targets of issue #8 with met / missed.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["derive", "render_markdown", "write_outputs"]
+
+MB = 1e6
+MiB = 1 << 20
+
+# (name, what, section path, threshold, comparison)
+TARGETS = (
+    ("b1_vs_redis", "B1 kvps steps/s ≥ 1.0 × Redis", ("b1", "ratio_vs_redis"), 1.0, ">="),
+    ("b1_vs_rpc", "B1 kvps steps/s ≥ 0.25 × unreplicated RPC server", ("b1", "ratio_vs_rpc"), 0.25, ">="),
+    ("b2_1mib_vs_redis", "B2 kvps bytes/s ≥ 0.3 × Redis at 1 MiB (batched)",
+     ("b2", "batched", str(MiB), "ratio_vs_redis"), 0.3, ">="),
+    ("b3_p50", "B3 kill → first commit p50 ≤ 0.5 s", ("b3", "p50_s"), 0.5, "<="),
+    ("b3_max", "B3 kill → first commit max ≤ 1.5 s", ("b3", "max_s"), 1.5, "<="),
+)
+
+
+def _get(d: Any, path: tuple) -> Any:
+    for part in path:
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def derive(results: dict) -> dict:
+    b5 = results.get("b5")
+    if b5:
+        frac: dict[str, float] = {}
+        kv_b1 = _get(results, ("b1", "systems", "kvps", "bytes_per_s"))
+        kv_b2 = _get(results, ("b2", "batched", str(MiB), "kvps", "bytes_per_s"))
+        for name, value in (("b1_bytes_per_s", kv_b1), ("b2_1mib_bytes_per_s", kv_b2)):
+            if value:
+                frac[f"{name}_of_loopback"] = value / b5["loopback_bytes_per_s"]
+                frac[f"{name}_of_memcpy"] = value / b5["memcpy_bytes_per_s"]
+        b5["kvps_fraction"] = frac
+    targets = []
+    for name, what, path, threshold, op in TARGETS:
+        value = _get(results, path)
+        met = None if value is None or (isinstance(value, float) and math.isnan(value)) else (
+            value >= threshold if op == ">=" else value <= threshold)
+        targets.append({"name": name, "target": what, "measured": value, "threshold": threshold,
+                        "met": met})
+    results["targets"] = targets
+    return results
+
+
+# ---- markdown -----------------------------------------------------------------------------------
+
+def _f(x: Any, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def _ms(x: Any) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{1000 * x:.0f}"
+
+
+def _mb(x: Any) -> str:
+    return "–" if x is None else f"{x / MB:,.0f}"
+
+
+def _size(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // 1024} KiB"
+
+
+def render_markdown(r: dict) -> str:
+    m = r["meta"]
+    out = [f"# kvps bench — {m['plan']} run",
+           "",
+           (f"{m['started']} → {m.get('finished', '?')}; {m['cpus']} CPUs, Python {m['python']}; "
+           f"load average at start {m['load_avg_start']}. The machine is shared and noisy: "
+           "compare the ratios (measured side by side in this run), not the absolutes."),
+           ""]
+    if r.get("skipped"):
+        out += ["**Skipped:** " + "; ".join(f"{k}: {v}" for k, v in r["skipped"].items()), ""]
+    out += _targets_md(r)
+    if "b1" in r:
+        out += _b1_md(r)
+    if "b2" in r:
+        out += _b2_md(r)
+    if "b3" in r:
+        out += _b3_md(r["b3"])
+    if "b4" in r:
+        out += _b4_md(r["b4"])
+    if "b5" in r:
+        out += _b5_md(r["b5"])
+    return "\n".join(out) + "\n"
+
+
+def _targets_md(r: dict) -> list[str]:
+    rows = ["## Targets", "", "| target | measured | met |", "|---|---:|:---:|"]
+    for t in r.get("targets", []):
+        met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+        rows.append(f"| {t['target']} | {_f(t['measured'])} | {met} |")
+    return rows + [""]
+
+
+def _b1_md(r: dict) -> list[str]:
+    m, b1 = r["meta"], r["b1"]
+    rows = ["## B1 — parameter-server workload",
+            "",
+            (f"{m['workers']} worker processes; model {m['model']['tensors']} × "
+            f"{_size(m['model']['tensor_bytes'])} float32 ({m['model']['bytes'] / MB:.0f} MB); one step = pull "
+            "every tensor + push one gradient per tensor, no compute. Steps/s summed over workers; "
+            "MB/s = steps × 2 × model size. CPU ms/step: the server processes (replicas and nodes, "
+            "redis-servers, the RPC server) and the workers, per step in the window."),
+            "",
+            "| system | steps/s | MB/s moved | step p50 ms | server CPU ms/step | worker CPU ms/step | load | semantics |",
+            "|---|---:|---:|---:|---:|---:|---:|---|"]
+    labels = {"kvps": "kvps (3 replicas, exactly-once)", "redis": "Redis primary + 2 replicas, WAIT 2",
+              "rpc": "PyTorch RPC PS (1 copy)", "inmem": "in-memory, 1 process"}
+    sem = {"rpc": "unreplicated: a crash loses the model", "inmem": "ceiling: no network, no copies kept"}
+    for name in ("kvps", "redis", "rpc", "inmem"):
+        s = b1["systems"].get(name)
+        if s is None:
+            continue
+        rows.append(f"| {labels[name]} | {_f(s['steps_per_s'])} | {_mb(s['bytes_per_s'])} | "
+                    f"{_f(s.get('step_ms_p50'), 0)} | {_ms(s.get('server_cpu_s_per_step'))} | "
+                    f"{_ms(s.get('worker_cpu_s_per_step'))} | {_f(s.get('load_avg'), 1)} | "
+                    f"{s.get('semantics', sem.get(name, ''))} |")
+    ratios = ", ".join(f"{k} = {_f(v)}" for k, v in b1.items() if k.startswith("ratio_vs_"))
+    rows += ["", f"kvps steps/s ratios: {ratios or '–'}.", ""]
+    kv = b1["systems"].get("kvps")
+    if kv and kv.get("wire_bytes"):
+        rows += [(f"kvps wire bytes in the whole run (client bodies): {kv['wire_bytes'] / MB:,.0f} MB; "
+                 f"client retries: {kv.get('client_retries', 0)}."), ""]
+    return rows
+
+
+def _b2_md(r: dict) -> list[str]:
+    rows = ["## B2 — raw replicated writes by payload size (one writer, distinct keys)", "",
+            ("Batched: ~4 MiB of writes per batch (kvps: one `push` of k keys; Redis: k pipelined SETs "
+            "+ `WAIT 2`), one batch outstanding. One at a time: k = 1."), ""]
+    for mode, title in (("batched", "batched"), ("single", "one write at a time")):
+        table = r["b2"].get(mode) or {}
+        if not table:
+            continue
+        rows += [f"**{title}**", "",
+                 "| size | k | kvps MB/s | Redis MB/s | kvps / Redis | kvps batch p50 ms | Redis batch p50 ms |",
+                 "|---:|---:|---:|---:|---:|---:|---:|"]
+        for size in sorted(table, key=int):
+            row = table[size]
+            kv, rd = row.get("kvps", {}), row.get("redis", {})
+            k = kv.get("batch", rd.get("batch"))
+            rows.append(f"| {_size(int(size))} | {k} | {_mb(kv.get('bytes_per_s'))} | {_mb(rd.get('bytes_per_s'))} | "
+                        f"{_f(row.get('ratio_vs_redis'))} | {_f(kv.get('batch_ms_p50'), 1)} | "
+                        f"{_f(rd.get('batch_ms_p50'), 1)} |")
+        rows.append("")
+    return rows
+
+
+def _b3_md(b3: dict) -> list[str]:
+    rows = ["## B3 — failover under load", "",
+            (f"{b3['kills']} × `kill -9` of a shard leader (shards in turn) while a training loop "
+            f"({b3['model']['tensors']} × {_size(b3['model']['tensor_bytes'])}, pull all + push all) runs. "
+            "kill → first commit: from the kill to the acknowledgement of a push sent right after it "
+            "to the killed shard. Stall: the longest training step overlapping the 5 s after the kill, "
+            f"minus the median step before the first kill ({_f(b3['trainer_step_p50_s'] * 1000, 0)} ms)."),
+            "",
+            "| | p50 | p90 | max |", "|---|---:|---:|---:|",
+            f"| kill → first commit (s) | {_f(b3['p50_s'])} | {_f(b3['p90_s'])} | {_f(b3['max_s'])} |",
+            f"| training stall (s) | {_f(b3['stall_p50_s'])} | – | {_f(b3['stall_max_s'])} |",
+            "",
+            "Every kill (s): " + ", ".join(_f(t) for t in b3["kill_to_commit_s"]), ""]
+    if b3.get("trainer_error"):
+        rows += [f"**Trainer error:** {b3['trainer_error']}", ""]
+    return rows
+
+
+def _b4_md(b4: dict) -> list[str]:
+    rows = ["## B4 — pulls: full vs incremental", "",
+            f"Model {b4['tensors']} tensors, {b4['model_bytes'] / MB:.0f} MB; median of {b4['repeats']}. "
+            + b4["note"] + ".", "",
+            "| case | tensors changed | bytes received | of full | time ms |", "|---|---:|---:|---:|---:|"]
+    for case, c in b4["cases"].items():
+        rows.append(f"| {case} | {c['changed_tensors']} | {c['bytes']:,} | {_f(c['fraction_of_full_bytes'], 3)} | "
+                    f"{_f(c['ms_p50'], 1)} |")
+    return rows + [""]
+
+
+def _b5_md(b5: dict) -> list[str]:
+    rows = ["## B5 — the machine's limits, same run", "",
+            "| limit | MB/s |", "|---|---:|",
+            f"| loopback TCP, blocking sockets, 1 MiB writes | {_mb(b5['loopback_bytes_per_s'])} |",
+            f"| memcpy (numpy, 64 MiB, 1 thread) | {_mb(b5['memcpy_bytes_per_s'])} |", ""]
+    frac = b5.get("kvps_fraction") or {}
+    if frac:
+        rows += ["kvps as a fraction of them: " + ", ".join(f"{k} = {_f(v, 3)}" for k, v in frac.items()), ""]
+    return rows
+
+
+# ---- files ----------------------------------------------------------------------------------------
+
+def write_outputs(results: dict, out: Path) -> list[str]:
+    """Write results.json, results.md and the plots; returns lines about anything skipped."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(_clean(results), indent=2, allow_nan=False) + "\n")
+    (out / "results.md").write_text(render_markdown(results))
+    try:
+        from kvps.bench.plots import write_plots
+    except ImportError as exc:
+        return [f"plots skipped: {exc} (pip install 'kvps[plots]')"]
+    return write_plots(results, out)
+
+
+def _clean(obj: Any) -> Any:
+    """JSON-ready: NaN/inf become null (strict JSON has neither), numpy scalars plain numbers."""
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj

@@ -1,0 +1,186 @@
+"""Runs the sections of one ``kvps bench`` and collects every figure into one results dict.
+
+Order: the machine's limits first (B5, on a machine as quiet as it will get), then B1's
+in-process baseline and RPC peer, then Redis (B1, B2) with no kvps process running, then one kvps
+cluster for B1, B2, B4 and last B3 (it kills leaders). Each peer runs alone, so none pays for
+another's idle processes; ``load_avg`` is recorded with every measurement because the machine is
+shared and drift between measurements is the main source of error.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvps.bench import limits, raw
+from kvps.bench.harness import process_cpu_seconds, run_workers, summarize
+from kvps.bench.plan import Plan
+from kvps.bench.progress import Progress
+
+__all__ = ["run_suite"]
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def run_suite(plan: Plan, sections: tuple[str, ...], systems: tuple[str, ...],
+              progress: Progress, skipped: dict[str, str]) -> dict[str, Any]:
+    results: dict[str, Any] = {
+        "meta": {"plan": plan.name, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                 "cpus": os.cpu_count(), "python": platform.python_version(),
+                 "machine": platform.machine(), "workers": plan.workers,
+                 "model": {"tensors": plan.model.tensors, "tensor_bytes": plan.model.tensor_bytes,
+                           "bytes": plan.model.nbytes},
+                 "kvps_cluster": {"nodes": plan.nodes, "shards": plan.shards, "replicas": 3},
+                 "load_avg_start": _load()},
+        "skipped": dict(skipped),
+    }
+    b1: dict[str, Any] = {}
+    b2: dict[str, Any] = {}
+    if "b5" in sections:
+        with progress.phase("B5 limits"):
+            results["b5"] = {"loopback_bytes_per_s": limits.loopback_bytes_per_s(plan.b5_seconds),
+                             "memcpy_bytes_per_s": limits.memcpy_bytes_per_s(plan.b5_seconds),
+                             "load_avg": _load()}
+    if "b1" in sections and "inmem" in systems:
+        with progress.phase("B1 inmem"):
+            from kvps.bench.workload import inmem_baseline
+            b1["inmem"] = {**inmem_baseline(plan.model, plan.workers, plan.b1_warmup, plan.b1_seconds),
+                           "load_avg": _load()}
+    if "b1" in sections and "rpc" in systems:
+        with progress.phase("B1 rpc"):
+            b1["rpc"] = _b1_rpc(plan)
+    if "redis" in systems and {"b1", "b2"} & set(sections):
+        _redis(plan, sections, progress, b1, b2)
+    if "kvps" in systems and {"b1", "b2", "b3", "b4"} & set(sections):
+        _kvps(plan, sections, progress, b1, b2, results)
+    if b1:
+        results["b1"] = {"systems": b1, **_ratios(b1, "steps_per_s")}
+    if b2:
+        results["b2"] = _b2_table(b2)
+    results["meta"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    return results
+
+
+# ---- peers ---------------------------------------------------------------------------------------
+
+def _b1_rpc(plan: Plan) -> dict:
+    from kvps.bench.rpc_peer import rpc_worker, start_rpc_server
+    from kvps.local import free_port_base
+
+    port = free_port_base(1)
+    server = start_rpc_server(port, plan.workers, plan.model)
+    try:
+        reports = run_workers(rpc_worker, (port, plan.workers, plan.model), plan.workers,
+                              warmup=plan.b1_warmup, seconds=plan.b1_seconds,
+                              server_cpu=lambda: process_cpu_seconds(lambda pid, _pp, _s: pid == server.pid))
+        return {**summarize(reports, 2 * plan.model.nbytes), "load_avg": _load()}
+    finally:
+        server.join(timeout=30)
+        if server.is_alive():
+            server.kill()
+            server.join()
+
+
+def _redis(plan: Plan, sections, progress: Progress, b1: dict, b2: dict) -> None:
+    from kvps.bench.redis_peer import RedisGroup, redis_worker
+
+    with tempfile.TemporaryDirectory(prefix="kvps-bench-redis-") as tmp, RedisGroup(Path(tmp)) as group:
+        with progress.phase("start redis"):
+            group.start()
+        pids = {p.pid for p in group.procs}
+        cpu = lambda: process_cpu_seconds(lambda pid, _pp, _s: pid in pids)
+        if "b1" in sections:
+            with progress.phase("B1 redis"):
+                group.load(plan.model.names(), plan.model.values())
+                reports = run_workers(redis_worker, (group.primary_port, group.replicas, plan.model),
+                                      plan.workers, warmup=plan.b1_warmup, seconds=plan.b1_seconds,
+                                      server_cpu=cpu)
+                b1["redis"] = {**summarize(reports, 2 * plan.model.nbytes), "load_avg": _load(),
+                               "wait_short": sum(r.counters.get("wait_short", 0) for r in reports),
+                               "semantics": "last-writer-wins: concurrent workers overwrite each other"}
+        if "b2" in sections:
+            with progress.phase("B2 redis"):
+                b2["redis"] = {}
+                for size in plan.b2_sizes:
+                    for batched in (True, False):
+                        progress.detail(f"{_size(size)} {'batched' if batched else 'one at a time'}")
+                        b2["redis"][(size, batched)] = {
+                            **raw.redis_raw(group.primary_port, group.replicas, size, batched,
+                                            plan.b2_seconds, "r"), "load_avg": _load()}
+
+
+def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, results: dict) -> None:
+    from kvps.bench.failover import failover
+    from kvps.bench.pulls import pulls
+    from kvps.bench.workload import create_model, kvps_worker
+    from kvps.local import LocalCluster
+
+    with tempfile.TemporaryDirectory(prefix="kvps-bench-") as tmp, \
+            LocalCluster(Path(tmp), nodes=plan.nodes, shards=plan.shards) as cluster:
+        with progress.phase("start kvps"):
+            cluster.start(timeout=120)
+        sessions = lambda: {p.pid for p in cluster.procs.values()}
+        cpu = lambda: process_cpu_seconds(lambda pid, _pp, sid: sid in sessions())
+        if "b1" in sections:
+            with progress.phase("B1 kvps"):
+                create_model(cluster.endpoints, cluster.token, plan.model)
+                reports = run_workers(kvps_worker, (cluster.endpoints, cluster.token, plan.model, {}),
+                                      plan.workers, warmup=plan.b1_warmup, seconds=plan.b1_seconds,
+                                      server_cpu=cpu)
+                b1["kvps"] = {**summarize(reports, 2 * plan.model.nbytes), "load_avg": _load(),
+                              "wire_bytes": sum(r.counters.get("wire_bytes", 0) for r in reports),
+                              "client_retries": sum(r.counters.get("retries", 0) for r in reports),
+                              "semantics": "every push applied exactly once (merged on the leader)"}
+        if "b2" in sections:
+            with progress.phase("B2 kvps"):
+                b2["kvps"] = {}
+                for size in plan.b2_sizes:
+                    for batched in (True, False):
+                        progress.detail(f"{_size(size)} {'batched' if batched else 'one at a time'}")
+                        b2["kvps"][(size, batched)] = {
+                            **raw.kvps_raw(cluster.endpoints, cluster.token, size, batched,
+                                           plan.b2_seconds, "k"), "load_avg": _load()}
+        if "b4" in sections:
+            with progress.phase("B4 kvps"):
+                results["b4"] = {**pulls(cluster.endpoints, cluster.token, plan.model, plan.b4_repeats),
+                                 "load_avg": _load()}
+        if "b3" in sections:
+            with progress.phase("B3 kvps"):
+                results["b3"] = {**failover(cluster, plan.b3_model, plan.b3_kills, progress.detail),
+                                 "load_avg": _load(),
+                                 "model": {"tensors": plan.b3_model.tensors,
+                                           "tensor_bytes": plan.b3_model.tensor_bytes}}
+
+
+# ---- derived figures ----------------------------------------------------------------------------
+
+def _ratios(systems: dict[str, dict], metric: str) -> dict[str, float]:
+    """kvps's ``metric`` divided by each peer's, under ``ratio_vs_<peer>``."""
+    out = {}
+    mine = systems.get("kvps", {}).get(metric)
+    for peer, figures in systems.items():
+        if peer != "kvps" and mine is not None and figures.get(metric):
+            out[f"ratio_vs_{peer}"] = mine / figures[metric]
+    return out
+
+
+def _b2_table(b2: dict[str, dict]) -> dict[str, Any]:
+    """{"batched": {"4096": {"kvps": {...}, "redis": {...}, "ratio_vs_redis": r}}, "single": ...}"""
+    out: dict[str, Any] = {"batched": {}, "single": {}}
+    for system, by in b2.items():
+        for (size, batched), figures in by.items():
+            row = out["batched" if batched else "single"].setdefault(str(size), {})
+            row[system] = figures
+    for mode in out.values():
+        for row in mode.values():
+            row.update(_ratios(row, "bytes_per_s"))
+    return out
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"

@@ -1,0 +1,101 @@
+"""``kvps bench``: the pure pieces, and a tiny end-to-end run (seconds) of every section.
+
+The end-to-end test runs kvps and the in-memory baseline always; the Redis peer only where
+``redis-server`` and the ``redis`` client are installed (``make bench`` installs both), otherwise
+it checks that the run says why Redis was skipped instead of failing.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from kvps.bench.cli import main as bench_main
+from kvps.bench.failover import _summary
+from kvps.bench.harness import steps_in_window
+from kvps.bench.plan import PLANS
+from kvps.bench.redis_peer import redis_missing_reason
+from kvps.bench.report import derive, render_markdown
+
+
+def test_steps_in_window_counts_straddling_steps_by_fraction():
+    steps = [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0), (3.0, 4.0)]
+    assert steps_in_window(steps, 0.5, 3.5) == pytest.approx(3.0)
+    assert steps_in_window(steps, 1.0, 2.0) == pytest.approx(1.0)
+    assert steps_in_window(steps, 10.0, 11.0) == 0.0
+    assert steps_in_window([(1.0, 1.0)], 0.0, 2.0) == 0.0  # zero-length steps are ignored
+
+
+def test_derive_names_ratios_and_targets():
+    results = {
+        "meta": {"plan": "t", "started": "s", "cpus": 2, "python": "3", "load_avg_start": 1.0,
+                 "workers": 4, "model": {"tensors": 64, "tensor_bytes": 1 << 20, "bytes": 64 << 20}},
+        "b1": {"systems": {"kvps": {"steps_per_s": 3.0, "bytes_per_s": 3e8},
+                           "redis": {"steps_per_s": 2.0, "bytes_per_s": 2e8}},
+               "ratio_vs_redis": 1.5},
+        "b3": {**_summary([{"shard": 0, "node": 0, "kill_t": 10.0, "kill_to_commit_s": 0.4},
+                           {"shard": 1, "node": 1, "kill_t": 20.0, "kill_to_commit_s": 2.0}],
+                          [(9.0, 9.1), (10.0, 10.5), (20.0, 20.1)], None),
+               "model": {"tensors": 16, "tensor_bytes": 1 << 20}},
+        "b5": {"loopback_bytes_per_s": 3e9, "memcpy_bytes_per_s": 6e9},
+    }
+    derive(results)
+    met = {t["name"]: t["met"] for t in results["targets"]}
+    assert met == {"b1_vs_redis": True, "b1_vs_rpc": None, "b2_1mib_vs_redis": None,
+                   "b3_p50": False, "b3_max": False}  # median of (0.4, 2.0) is 1.2
+    assert results["b3"]["stall_s"] == pytest.approx([0.4, 0.0])  # 0.5 s step vs 0.1 s median
+    assert results["b5"]["kvps_fraction"]["b1_bytes_per_s_of_loopback"] == pytest.approx(0.1)
+    md = render_markdown(results)
+    assert "| B3 kill → first commit max ≤ 1.5 s | 2.00 | **no** |" in md
+
+
+@pytest.mark.cluster
+def test_tiny_bench_runs_every_section(tmp_path, capsys):
+    out = tmp_path / "bench"
+    # --no-install: a test must not apt-get; RPC is covered by the quick/full runs (torch RPC
+    # start-up alone takes longer than this whole test).
+    assert bench_main(["--plan", "tiny", "--out", str(out), "--skip", "rpc", "--no-install",
+                       "--quiet"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    md = (out / "results.md").read_text()
+
+    b1 = results["b1"]["systems"]
+    assert b1["kvps"]["steps_per_s"] > 0 and b1["inmem"]["steps_per_s"] > 0
+    assert results["b1"]["ratio_vs_inmem"] > 0
+    assert results["b3"]["kills"] == 1 and 0 < results["b3"]["p50_s"] < 30
+    assert results["b4"]["cases"]["unchanged"]["bytes"] < results["b4"]["cases"]["full"]["bytes"] / 100
+    assert results["b4"]["cases"]["dense"]["bytes"] >= results["b4"]["cases"]["full"]["bytes"] * 0.99
+    assert results["b5"]["memcpy_bytes_per_s"] > 0 and results["b5"]["loopback_bytes_per_s"] > 0
+    assert {t["name"] for t in results["targets"]} >= {"b1_vs_redis", "b3_p50"}
+    for section in ("## B1", "## B2", "## B3", "## B4", "## B5", "## Targets"):
+        assert section in md
+
+    reason = redis_missing_reason(install=False)
+    if reason is None:
+        assert b1["redis"]["steps_per_s"] > 0
+        row = results["b2"]["batched"][str(64 << 10)]
+        assert row["redis"]["bytes_per_s"] > 0 and row["kvps"]["bytes_per_s"] > 0
+        assert math.isfinite(row["ratio_vs_redis"])
+    else:
+        assert "redis" in results["skipped"] and "redis" not in b1
+        assert "redis" in md  # the skip is stated in the report
+
+
+def test_plans_are_ordered_by_cost():
+    assert PLANS["tiny"].b1_seconds < PLANS["quick"].b1_seconds < PLANS["full"].b1_seconds
+    assert PLANS["full"].b3_kills >= 10 and PLANS["full"].workers == 4
+    assert PLANS["full"].model.nbytes == 64 << 20
+
+
+def test_missing_redis_is_skipped_with_a_reason(tmp_path, monkeypatch, capsys):
+    import kvps.bench.redis_peer as redis_peer
+
+    monkeypatch.setattr(redis_peer, "ensure_redis_server", lambda install=False: None)
+    out = tmp_path / "bench"
+    assert bench_main(["--plan", "tiny", "--only", "b1", "--skip", "kvps,rpc", "--out", str(out),
+                       "--quiet"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert "redis-server" in results["skipped"]["redis"]
+    assert "skipping redis" in capsys.readouterr().err
+    assert results["b1"]["systems"]["inmem"]["steps_per_s"] > 0
