@@ -42,7 +42,8 @@ class FaultRecord:
         return asdict(self)
 
     def injected(self) -> None:
-        """The fault starts now (after finding its target, which takes a cluster-map round trip)."""
+        """The fault is in force from now on: after finding its target (a cluster-map round trip)
+        and after the action took effect, so recovery times do not count the set-up."""
         self.start = time.monotonic()
 
 
@@ -94,6 +95,7 @@ async def _kill_node(ctx: FaultContext, rec: FaultRecord) -> None:
     down = ctx.hold_time()
     rec.detail["down_s"] = down
     await asyncio.to_thread(ctx.cluster.kill_node, rec.node, signal.SIGKILL)
+    rec.injected()
     try:
         await asyncio.sleep(down)
     finally:
@@ -106,6 +108,7 @@ async def _kill_all(ctx: FaultContext, rec: FaultRecord) -> None:
     try:
         for n in ctx.cluster.cfg.nodes:
             await asyncio.to_thread(ctx.cluster.kill_node, n.id, signal.SIGKILL)
+        rec.injected()  # once every node is dead
         await asyncio.sleep(down)
     finally:
         for n in ctx.cluster.cfg.nodes:
@@ -124,8 +127,8 @@ async def _cut(ctx: FaultContext, rec: FaultRecord, *, leader: bool) -> None:
     rec.node = lead if leader else followers[int(pick * len(followers))]
     rec.detail["held_s"] = hold
     peers = [topo.address(n) for n in ctx.others(rec.node)]
-    rec.injected()
     await asyncio.to_thread(topo.drop_between, rec.node, peers, ctx.cluster.raft_ports(rec.shard))
+    rec.injected()  # once the rules are in (nft takes tens of ms)
     try:
         await asyncio.sleep(hold)
     finally:
@@ -147,6 +150,7 @@ async def _packet_loss(ctx: FaultContext, rec: FaultRecord) -> None:
     percent, hold = ctx.rng.randint(10, 30), ctx.hold_time()
     rec.detail.update(percent=percent, held_s=hold)
     await asyncio.to_thread(topo.lose_packets, rec.node, percent)
+    rec.injected()
     try:
         await asyncio.sleep(hold)
     finally:
@@ -167,6 +171,7 @@ async def _delay(ctx: FaultContext, rec: FaultRecord) -> None:
     try:
         for n, r in rules.items():
             await asyncio.to_thread(cluster.set_delay, n, r)
+        rec.injected()
         await asyncio.sleep(hold)
     finally:
         for n in rules:
