@@ -1,7 +1,8 @@
 """``kvps chaos``: run a chaos scenario and exit 0 only if every check passed.
 
     kvps chaos [--duration S] [--seed N] [--faults a,b,...] [--out DIR] [--mode auto|netns|loopback]
-               [--shards N] [--unsafe-disable-dedup] [--keep-data] [--no-progress]
+               [--shards N] [--register-reads linearizable|leader] [--unsafe-disable-dedup]
+               [--keep-data] [--no-progress]
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="chaos-out", help="report.json, report.md, timeline.png, logs")
     p.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
     p.add_argument("--shards", type=int, default=4)
+    p.add_argument("--register-reads", choices=("linearizable", "leader"), default="linearizable",
+                   help="leader: register reads without a read barrier (stale under partitions)")
     p.add_argument("--unsafe-disable-dedup", action="store_true",
                    help="a deliberately broken server (no duplicate table): the run must fail")
     p.add_argument("--keep-data", action="store_true", help="keep journals even if the run passes")
@@ -36,7 +39,7 @@ def main(argv: list[str]) -> int:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
     opts = ChaosOptions(duration=args.duration, seed=seed, faults=faults, out=Path(args.out),
-                        mode=args.mode, shards=args.shards,
+                        mode=args.mode, shards=args.shards, register_reads=args.register_reads,
                         unsafe_disable_dedup=args.unsafe_disable_dedup, keep_data=args.keep_data,
                         progress=not args.no_progress)
     try:

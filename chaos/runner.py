@@ -48,6 +48,9 @@ class ChaosOptions:
     op_timeout: float = 15.0           # client deadline per operation; past it the outcome is unknown
     hold: tuple[float, float] = (2.0, 4.0)    # fault duration range (s)
     quiet: tuple[float, float] = (1.0, 3.0)   # pause between faults (s)
+    # Register reads: "linearizable" (checked strictly), or "leader" to measure the documented
+    # window in which a partitioned leader that has not stepped down yet serves stale reads.
+    register_reads: str = "linearizable"
     unsafe_disable_dedup: bool = False  # the deliberately broken build (harness self-test)
     keep_data: bool = False            # keep journals and snapshots even when the run passes
     progress: bool = True
@@ -55,8 +58,9 @@ class ChaosOptions:
     def replay_command(self) -> str:
         faults = f" --faults {','.join(self.faults)}" if self.faults else ""
         broken = " --unsafe-disable-dedup" if self.unsafe_disable_dedup else ""
-        return (f"kvps chaos --seed {self.seed} --duration {self.duration:g}{faults} "
-                f"--mode {self.mode}{broken}")
+        reads = f" --register-reads {self.register_reads}" if self.register_reads != "linearizable" else ""
+        return (f"kvps chaos --seed {self.seed} --duration {self.duration:g} --shards {self.shards}"
+                f"{faults} --mode {self.mode}{reads}{broken}")
 
 
 @dataclass
@@ -103,21 +107,22 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
     data = out / "cluster"
     shutil.rmtree(data, ignore_errors=True)
     state = RunState(opts, mode, note, faults, not_run, started=time.monotonic())
-    topo = None
-    if mode == "netns":
-        netns.remove_stale()
-        topo = netns.Topology(opts.nodes).create()
-    cluster = ChaosCluster(data, nodes=opts.nodes, shards=opts.shards, topology=topo, seed=opts.seed,
-                           raft=RaftConfig(compact_entries=2000),  # exercise snapshot installs
-                           server=ServerConfig(unsafe_disable_dedup=opts.unsafe_disable_dedup))
+    topo, cluster = None, None
     try:
+        if mode == "netns":
+            netns.remove_stale()
+            topo = netns.Topology(opts.nodes).create()
+        cluster = ChaosCluster(data, nodes=opts.nodes, shards=opts.shards, topology=topo,
+                               seed=opts.seed, raft=RaftConfig(compact_entries=2000),  # snapshot installs
+                               server=ServerConfig(unsafe_disable_dedup=opts.unsafe_disable_dedup))
         if topo is not None:
             with topo.entered():
                 report = asyncio.run(_run(state, cluster))
         else:
             report = asyncio.run(_run(state, cluster))
     finally:
-        cluster.stop()
+        if cluster is not None:
+            cluster.stop()
         if topo is not None:
             topo.destroy()
     write_report(report, out)
@@ -137,13 +142,31 @@ async def _run(state: RunState, cluster: ChaosCluster) -> dict[str, Any]:
     await asyncio.to_thread(cluster.start, timeout=120)
     wl = Workloads(cluster.endpoints, cluster.token, opts.shards, opts.seed,
                    counter_clients=opts.counter_clients, register_clients=opts.register_clients,
-                   op_timeout=opts.op_timeout)
+                   op_timeout=opts.op_timeout, register_reads=opts.register_reads)
     await wl.setup()
     await _create_training(cluster, opts.seed)
-    trainers = _start_trainers(cluster, opts)
-    # Importing torch takes seconds on a busy machine: start the clock once every worker trains.
-    await asyncio.to_thread(wait_until, lambda: _trainers_running(cluster, trainers, opts), 180,
-                            "every training worker to finish its first step", 0.2)
+    trainers: list[subprocess.Popen] = []
+    try:
+        trainers = _start_trainers(cluster, opts)
+        # Importing torch takes seconds on a busy machine: start the clock once every worker trains.
+        await asyncio.to_thread(wait_until, lambda: _trainers_running(cluster, trainers, opts), 180,
+                                "every training worker to finish its first step", 0.2)
+        await _drive(state, cluster, wl, progress)
+    finally:
+        _stop_trainers(trainers)
+    progress.line("quiescing: waiting for every shard to serve and every replica to converge ...")
+    await asyncio.to_thread(cluster.wait_ready, 120)
+    convergence = await asyncio.to_thread(_wait_converged, cluster, 90.0)
+    final = await wl.final_reads()
+    train = _read_training(cluster.data_dir.parent, opts.train_workers)
+    report = build_report(state, wl, final, convergence, train)
+    progress.done(report)
+    return report
+
+
+async def _drive(state: RunState, cluster: ChaosCluster, wl: Workloads, progress: Progress) -> None:
+    """Workloads and the fault schedule until the deadline; then stop the workloads."""
+    opts = state.opts
     ctx = FaultContext(cluster, _rng(opts.seed), wl.set_reply_loss, hold=opts.hold,
                        log=lambda line: _log(state, progress, line))
     stop_monitor = asyncio.Event()
@@ -157,19 +180,12 @@ async def _run(state: RunState, cluster: ChaosCluster) -> dict[str, Any]:
     finally:
         wl.set_reply_loss(0.0)
         wl.stop.set()
-        await workload
-        state.workload_end = time.monotonic()
-        _stop_trainers(trainers)
         stop_monitor.set()
-        await monitor
-    progress.line("quiescing: waiting for every shard to serve and every replica to converge ...")
-    await asyncio.to_thread(cluster.wait_ready, 120)
-    convergence = await asyncio.to_thread(_wait_converged, cluster, 90.0)
-    final = await wl.final_reads()
-    train = _read_training(cluster.data_dir.parent, opts.train_workers)
-    report = build_report(state, wl, final, convergence, train)
-    progress.done(report)
-    return report
+        try:
+            await workload
+        finally:
+            state.workload_end = time.monotonic()
+            await monitor
 
 
 def _rng(seed: int):

@@ -6,8 +6,9 @@ rejection has an *unknown outcome*: it may have been applied (its reply was lost
 
 * counter: each worker pushes ``1`` to an ``Add`` key of its shard; afterwards
   acked <= value <= acked + unknown must hold (below: lost pushes; above: pushes applied twice).
-* register: single-block keys, one per shard; reads (linearizable), blind writes of unique values,
-  and compare-and-sets on the version last seen; the history goes to the linearizability checker.
+* register: single-block keys, one per shard; reads (linearizable unless asked otherwise), blind
+  writes of unique values and compare-and-sets on the version last seen; the history goes to the
+  linearizability checker.
 """
 from __future__ import annotations
 
@@ -89,10 +90,10 @@ class CounterTally:
 class Workloads:
     def __init__(self, endpoints: list[str], token: str, shards: int, seed: int, *,
                  counter_clients: int, register_clients: int, op_timeout: float,
-                 pace: float = 0.02) -> None:
+                 register_reads: str = "linearizable", pace: float = 0.02) -> None:
         self.endpoints, self.token, self.shards, self.seed = endpoints, token, shards, seed
         self.counter_clients, self.register_clients = counter_clients, register_clients
-        self.op_timeout, self.pace = op_timeout, pace
+        self.op_timeout, self.pace, self.register_reads = op_timeout, pace, register_reads
         self.counter_keys = [key_on_shard("chaos/counter", s, shards) for s in range(shards)]
         self.register_keys = [key_on_shard("chaos/reg", s, shards) for s in range(shards)]
         self.records: list[OpRecord] = []
@@ -164,7 +165,7 @@ class Workloads:
         name = f"register{i}"
         seen: dict[str, int] = {}
         n = 0
-        async with self.client(name, consistency="linearizable") as ps:
+        async with self.client(name, consistency=self.register_reads) as ps:
             while not self.stop.is_set():
                 key = rng.choice(self.register_keys)
                 kind = rng.choices(("read", "write", "cas"), (4, 3, 3))[0]
