@@ -38,12 +38,23 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def netns_support() -> tuple[bool, str]:
-    """(usable, why not): namespaces need root, iproute2 and nftables."""
+    """(usable, why not): namespaces need root, iproute2 and nftables, and a sandbox may still
+    refuse them, so a throw-away namespace is made and given an nftables table."""
     if os.geteuid() != 0:
         return False, "not root"
     for tool in ("ip", "nft"):
         if shutil.which(tool) is None:
             return False, f"{tool} not installed (apt-get install -y iproute2 nftables)"
+    probe = f"{PREFIX}{os.getpid()}-n99"
+    made = _run(["ip", "netns", "add", probe], check=False)
+    if made.returncode != 0:
+        return False, f"ip netns add failed: {made.stderr.strip()}"
+    try:
+        nft = _run(["ip", "netns", "exec", probe, "nft", "-f", "-"], stdin=_BASE_RULES, check=False)
+        if nft.returncode != 0:
+            return False, f"nft failed inside a namespace: {nft.stderr.strip()}"
+    finally:
+        _run(["ip", "netns", "del", probe], check=False)
     return True, ""
 
 
