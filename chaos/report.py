@@ -148,7 +148,7 @@ def markdown(r: dict[str, Any]) -> str:
               f"lost {c['lost']}, applied twice {c['applied_twice']} |",
               f"| register history | {lin['verdict']} ({lin['ops']} ops, {lin['unknown']} unknown outcome) |",
               f"| replica state hashes | {'equal on every shard' if r['convergence']['ok'] else 'NOT equal'} |",
-              f"| monotonic reads | {'ok' if r['monotonic']['ok'] else r['monotonic']['count'] + ' violations'} |",
+              f"| monotonic reads | {'ok' if r['monotonic']['ok'] else str(r['monotonic']['count']) + ' violations'} |",
               f"| longest availability gap | {_fmt(r['availability']['longest_gap_s'])} s |",
               f"| training loss | {_fmt(r['training'].get('first'))} → {_fmt(r['training'].get('last'))} "
               f"({r['training']['steps']} steps, {r['training']['failed_steps']} failed) |",

@@ -143,3 +143,37 @@ def test_proxy_pump_delays_and_keeps_order():
     same, elapsed = asyncio.run(main())
     assert same
     assert elapsed >= 0.01  # at least the smallest possible delay
+
+
+def test_report_of_a_failing_run_names_every_failure(tmp_path):
+    """build_report / markdown / timeline on a synthetic run: a lost push, a stale read, a
+    diverged shard and a flat loss must all be named."""
+    from types import SimpleNamespace
+
+    from kvps_chaos.faults import FaultRecord
+    from kvps_chaos.report import build_report, write_report
+
+    opts = ChaosOptions(duration=10, seed=9, shards=2)
+    state = SimpleNamespace(opts=opts, workload_start=100.0, workload_end=110.0, mode="loopback",
+                            mode_note="test", faults=["kill-leader"], not_run={"delay": "netns only"},
+                            fault_records=[FaultRecord("kill-leader", 103.0, 103.1, 104.0, shard=0, node=1)],
+                            leader_events=[{"t": 103.5, "shard": 0, "node": 2, "term": 3}], log_lines=[])
+    wl = SimpleNamespace(
+        records=[OpRecord("counter", s, "c", 100 + t, 100.01 + t, True) for s in (0, 1) for t in range(10)],
+        tally={"k": CounterTally(acked=5, versions={"c": [1, 2]})},
+        history=[Operation("a", ("write", 1.0), 1, 101, 102, "r"),
+                 Operation("b", ("read", None), (0.0, 0), 103, 104, "r")],
+        initial={"r": (0.0, 0)}, replies_lost=0)
+    convergence = {"ok": False, "converged": False, "diverged_shards": [1], "shards": {}}
+    train = {"train0": [{"t0": 100 + i, "t1": 100.5 + i, "ok": True, "version": i, "eval": 2.0}
+                        for i in range(8)]}
+    report = build_report(state, wl, {"k": (4.0, 4)}, convergence, train)
+    text = " | ".join(report["failures"])
+    for needle in ("1 acknowledged pushes LOST", "NOT linearizable", "STATE DIVERGENCE on shard(s) [1]",
+                   "training loss did not fall"):
+        assert needle in text
+    assert report["faults"][0]["recovery_s"] == pytest.approx(0.01, abs=0.02)
+    write_report(report, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "FAILED" in md and "--seed 9" in md and "kill-leader" in md
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
