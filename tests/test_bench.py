@@ -89,7 +89,7 @@ def test_plans_are_ordered_by_cost():
 
 
 def test_missing_redis_is_skipped_with_a_reason(tmp_path, monkeypatch, capsys):
-    import kvps.bench.redis_peer as redis_peer
+    from kvps.bench import redis_peer
 
     monkeypatch.setattr(redis_peer, "ensure_redis_server", lambda install=False: None)
     out = tmp_path / "bench"

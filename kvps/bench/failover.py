@@ -32,9 +32,10 @@ from kvps.placement import block_shard
 __all__ = ["failover"]
 
 STALL_HORIZON = 5.0  # s after a kill in which a trainer step counts as affected
+BASELINE_STEPS = 5   # undisturbed trainer steps before the first kill
 
 
-def _trainer(endpoints: list[str], token: str, model: Model, stop, out) -> None:
+def _trainer(endpoints: list[str], token: str, model: Model, stop, done, out) -> None:
     import kvps_client as kc
 
     names = model.names("b3")
@@ -48,6 +49,8 @@ def _trainer(endpoints: list[str], token: str, model: Model, stop, out) -> None:
                 await ps.pull(names)
                 await ps.push(grads)
                 steps.append((t0, time.monotonic()))
+                with done.get_lock():
+                    done.value += 1
 
     try:
         asyncio.run(main())
@@ -63,6 +66,11 @@ def _status(url: str, token: str) -> dict | None:
             return json.loads(resp.read())
     except (OSError, ValueError):
         return None
+
+
+def replica_status(cluster, shard: int, node: int) -> dict | None:
+    """``/v1/status`` of the replica of ``shard`` on ``node`` (None when it does not answer)."""
+    return _status(cluster.cfg.node(node).data_url(shard), cluster.token)
 
 
 def serving_leader(cluster, shard: int) -> dict | None:
@@ -109,12 +117,15 @@ def failover(cluster, model: Model, kills: int, tick: Callable[[str], None]) -> 
 
     asyncio.run(setup())
     ctx = mp.get_context("spawn")
-    stop, out = ctx.Event(), ctx.Queue()
-    trainer = ctx.Process(target=_trainer, args=(cluster.endpoints, cluster.token, model, stop, out),
+    stop, done, out = ctx.Event(), ctx.Value("i", 0), ctx.Queue()
+    trainer = ctx.Process(target=_trainer, args=(cluster.endpoints, cluster.token, model, stop, done, out),
                           daemon=True)
     trainer.start()
     records: list[dict] = []
     try:
+        # the baseline: a few undisturbed training steps before the first kill
+        _wait(lambda: done.value >= BASELINE_STEPS or not trainer.is_alive(), 120,
+              f"{BASELINE_STEPS} training steps before the first kill")
         records = asyncio.run(_kills(cluster, probes, kills, tick))
     finally:
         stop.set()
@@ -137,7 +148,6 @@ async def _kills(cluster, probes: dict[int, str], kills: int, tick: Callable[[st
     async with kc.Client(cluster.endpoints, token=cluster.token, seed=13, timeout=60) as ps:
         for key in probes.values():
             await ps.push({key: one})  # routes and layouts known before the first kill
-        await asyncio.sleep(2.0)  # trainer baseline before the first kill
         for k in range(kills):
             shard = k % len(probes)
             await asyncio.to_thread(_wait, lambda s=shard: _caught_up(cluster, s), 60,

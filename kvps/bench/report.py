@@ -136,7 +136,8 @@ def _b1_md(r: dict) -> list[str]:
     kv = b1["systems"].get("kvps")
     if kv and kv.get("wire_bytes"):
         rows += [(f"kvps wire bytes in the whole run (client bodies): {kv['wire_bytes'] / MB:,.0f} MB; "
-                 f"client retries: {kv.get('client_retries', 0)}."), ""]
+                 f"client retries: {kv.get('client_retries', 0)}; replica role changes (elections "
+                 f"with no fault injected) during B1: {kv.get('role_changes', '–')}."), ""]
     return rows
 
 

@@ -129,12 +129,15 @@ def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, results:
         if "b1" in sections:
             with progress.phase("B1 kvps"):
                 create_model(cluster.endpoints, cluster.token, plan.model)
+                before = _role_changes(cluster)
                 reports = run_workers(kvps_worker, (cluster.endpoints, cluster.token, plan.model, {}),
                                       plan.workers, warmup=plan.b1_warmup, seconds=plan.b1_seconds,
                                       server_cpu=cpu)
                 b1["kvps"] = {**summarize(reports, 2 * plan.model.nbytes), "load_avg": _load(),
                               "wire_bytes": sum(r.counters.get("wire_bytes", 0) for r in reports),
                               "client_retries": sum(r.counters.get("retries", 0) for r in reports),
+                              # elections with no fault injected: each one stalls a shard's pushes
+                              "role_changes": _role_changes(cluster) - before,
                               "semantics": "every push applied exactly once (merged on the leader)"}
         if "b2" in sections:
             with progress.phase("B2 kvps"):
@@ -155,6 +158,18 @@ def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, results:
                                  "load_avg": _load(),
                                  "model": {"tensors": plan.b3_model.tensors,
                                            "tensor_bytes": plan.b3_model.tensor_bytes}}
+
+
+def _role_changes(cluster) -> int:
+    """Leader/follower transitions counted by every replica (a fault-free run should have none)."""
+    from kvps.bench.failover import replica_status
+
+    total = 0
+    for shard in range(cluster.cfg.shards):
+        for node in cluster.cfg.replica_nodes(shard):
+            st = replica_status(cluster, shard, node)
+            total += (st or {}).get("counters", {}).get("leader_changes", 0)
+    return total
 
 
 # ---- derived figures ----------------------------------------------------------------------------
