@@ -111,4 +111,7 @@ def _result_from_json(data: Any) -> Result:
     versions = data["versions"]
     if not isinstance(versions, dict) or not all(isinstance(v, int) for v in versions.values()):
         raise TypeError("malformed versions")
-    return {"versions": dict(versions)}
+    digest = data.get("digest", 0)
+    if not isinstance(digest, int) or isinstance(digest, bool):
+        raise TypeError("malformed digest")
+    return {"versions": dict(versions), **({"digest": digest} if digest else {})}

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvps.config import ServerConfig
-from kvps.errors import KvpsError, Overloaded, Unavailable
+from kvps.errors import InvalidRequest, KvpsError, Overloaded, Unavailable
 from kvps.merge import PushRequest, merge, request_bytes
 
 __all__ = ["PushBatcher"]
@@ -46,6 +46,7 @@ class PushBatcher:
         self._pending: list[tuple[PushRequest, int]] = []
         self._pending_bytes = 0
         self._futures: dict[PushKey, asyncio.Future] = {}
+        self._digests: dict[PushKey, int] = {}  # content checksum of each pending / in-flight id
         self._accepted_bytes = 0  # pending + in flight
         self._inflight = 0
         self._tasks: set[asyncio.Task] = set()
@@ -59,7 +60,11 @@ class PushBatcher:
         """Queue ``req`` and wait for its result (a dict, or raises a KvpsError)."""
         key = (req.client, req.seq)
         fut = self._futures.get(key)
+        if fut is not None and req.digest and self._digests.get(key, req.digest) != req.digest:
+            raise InvalidRequest("push id already in flight for a different push; nothing applied",
+                                 client=req.client, seq=req.seq)
         if fut is None:
+            self._digests[key] = req.digest
             size = request_bytes(req)
             await self._reserve(size)
             fut = asyncio.get_running_loop().create_future()
@@ -139,6 +144,7 @@ class PushBatcher:
         return lambda req: results.get((req.client, req.seq), missing)
 
     def _settle(self, req: PushRequest, value: Any) -> None:
+        self._digests.pop((req.client, req.seq), None)
         fut = self._futures.pop((req.client, req.seq), None)
         if fut is None or fut.done():
             return

@@ -221,6 +221,9 @@ class PushId(_Base):
     seq: int
     floor: int
     keys: tuple[str, ...]
+    # Checksum of the request's content (0: not given). Stored with the result, so an id that
+    # comes back with different content is refused instead of answered as a duplicate.
+    digest: int = 0
 
     def __post_init__(self) -> None:
         _str(self.client, "client", MAX_CLIENT_CHARS)
@@ -229,8 +232,13 @@ class PushId(_Base):
             raise InvalidRequest("floor must be <= seq (the client still waits for seq)", field="floor")
         if not isinstance(self.keys, (tuple, list)):
             raise _bad("keys", "a sequence of keys")
-        _set_fields(self, seq=seq, floor=floor,
+        digest = _int(self.digest, "digest")
+        _set_fields(self, seq=seq, floor=floor, digest=digest,
                     keys=tuple(_str(k, "keys", MAX_KEY_CHARS) for k in self.keys))
+
+    def to_json(self) -> list:
+        # the digest only when present, so commands without one encode exactly as before
+        return [self.client, self.seq, self.floor, list(self.keys)] + ([self.digest] if self.digest else [])
 
 
 @dataclass(frozen=True, eq=False)
@@ -292,7 +300,7 @@ class Push(_Base):
         for r in self.rows:
             arrays += [r.ids, r.grads, r.counts]
         meta = {"type": "push", "now": self.now,
-                "pushes": [[p.client, p.seq, p.floor, list(p.keys)] for p in self.pushes],
+                "pushes": [p.to_json() for p in self.pushes],
                 "dense": [[d.key, d.block, d.count] for d in self.dense],
                 "rows": [r.key for r in self.rows]}
         return _encode(meta, arrays)
@@ -386,9 +394,14 @@ def _take(arrays: tuple[np.ndarray, ...], n: int, at: list[int]) -> list[np.ndar
     return list(arrays[start:start + n])
 
 
+def _raise_bad_push_id():
+    raise InvalidRequest("malformed push id in command")
+
+
 def _decode_push(m: dict, arrays: tuple) -> Push:
     at = [0]
-    pushes = tuple(PushId(c, s, f, tuple(k)) for c, s, f, k in m["pushes"])
+    pushes = tuple(PushId(p[0], p[1], p[2], tuple(p[3]), *p[4:5]) if isinstance(p, list) and 4 <= len(p) <= 5
+                   else _raise_bad_push_id() for p in m["pushes"])
     grads = _take(arrays, len(m["dense"]), at)
     dense = tuple(DenseDelta(k, b, g, c) for (k, b, c), g in zip(m["dense"], grads))
     rows = tuple(RowDelta(k, *_take(arrays, 3, at)) for k in m["rows"])

@@ -22,7 +22,7 @@ from kvps.auth import TokenStore
 from kvps.command import ClockTick, CreateKey, CreateTable, DeleteKey, Set
 from kvps.delta import frame
 from kvps.errors import InvalidRequest, KvpsError, RequestTooLarge, Timeout
-from kvps.merge import PushRequest
+from kvps.merge import PushRequest, content_digest
 from kvps.metrics import CONTENT_TYPE
 from kvps.replica import Replica
 
@@ -180,7 +180,8 @@ async def _push(replica: Replica, req: frame.Frame):
                  for it in _items(req.meta, "rows"))
     if not dense and not rows:
         raise InvalidRequest("empty push")
-    result = await replica.push(PushRequest(client, seq, floor, dense, rows))
+    result = await replica.push(PushRequest(client, seq, floor, dense, rows,
+                                            digest=content_digest(dense, rows)))
     return {"versions": result["versions"]}, ()
 
 

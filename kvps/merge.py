@@ -6,6 +6,7 @@ merge: they apply the merged bytes, so only the leader's choice of order matters
 """
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ import numpy as np
 
 from kvps.command import DenseDelta, Push, PushId, RowDelta
 
-__all__ = ["PushRequest", "is_finite", "merge", "request_bytes"]
+__all__ = ["PushRequest", "content_digest", "is_finite", "merge", "request_bytes"]
 
 _OVERHEAD = 64  # bytes per request/entry of framing, keys and ids: a rough but positive charge
 
@@ -31,6 +32,7 @@ class PushRequest:
     floor: int
     dense: tuple[tuple[str, int, np.ndarray], ...] = ()
     rows: tuple[tuple[str, np.ndarray, np.ndarray], ...] = ()
+    digest: int = 0  # checksum of the content (see content_digest); 0: not computed
 
     def keys(self) -> tuple[str, ...]:
         """The keys this push touches, sorted."""
@@ -44,6 +46,19 @@ def request_bytes(req: PushRequest) -> int:
     total += sum(_OVERHEAD + len(k) + np.asarray(i).nbytes + np.asarray(g).nbytes
                  for k, i, g in req.rows)
     return total
+
+
+def content_digest(dense: Sequence[tuple[str, int, np.ndarray]],
+                   rows: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> int:
+    """CRC-32 of what a push changes (keys, blocks, ids, gradient bytes), plus one so that it is
+    never 0 ("none"). Cheap (~3.6 GB/s); it guards against id reuse, not against an adversary."""
+    crc = zlib.crc32(repr([(k, int(b)) for k, b, _ in dense] + [k for k, _, _ in rows]).encode())
+    for _, _, g in dense:
+        crc = zlib.crc32(np.ascontiguousarray(g).view(np.uint8), crc)
+    for _, ids, g in rows:
+        crc = zlib.crc32(np.ascontiguousarray(ids).view(np.uint8), crc)
+        crc = zlib.crc32(np.ascontiguousarray(g).view(np.uint8), crc)
+    return crc + 1
 
 
 def is_finite(req: PushRequest) -> bool:
@@ -64,7 +79,7 @@ def merge(requests: Sequence[PushRequest], modes: Mapping[str, str], now: float)
         if (req.client, req.seq) not in seen:
             seen.add((req.client, req.seq))
             unique.append(req)
-    pushes = tuple(PushId(r.client, r.seq, r.floor, r.keys()) for r in unique)
+    pushes = tuple(PushId(r.client, r.seq, r.floor, r.keys(), r.digest) for r in unique)
     return Push(now=now, pushes=pushes, dense=_merge_dense(unique, modes),
                 rows=_merge_rows(unique, modes))
 

@@ -236,6 +236,13 @@ class Replica:
             err = self._state.check_push(req, "allow" if finite else self.cfg.server.nonfinite)
             done = self._state.lookup_push(req.client, req.seq)
         if done is not None:
+            stored = done.get("digest") if isinstance(done, dict) else None
+            if stored and req.digest and stored != req.digest:
+                self.count_rejected("ReusedPushId")
+                log.warning("shard %d: push id %s/%d reused for different content (replayed or "
+                            "forged); refused", self.shard, req.client, req.seq)
+                raise InvalidRequest("push id already used for a different push; nothing applied",
+                                     client=req.client, seq=req.seq)
             return _unwrap(done)
         if not finite:
             action = "skipped" if self.cfg.server.nonfinite == "skip" and err is None else "rejected"

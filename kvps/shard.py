@@ -219,7 +219,8 @@ class ShardState:
             table.commit(update)
         results: dict[tuple[str, int], Result] = {}
         for p in cmd.pushes:
-            results[(p.client, p.seq)] = {"versions": {k: self._version(k) for k in p.keys}}
+            results[(p.client, p.seq)] = {"versions": {k: self._version(k) for k in p.keys},
+                                          **({"digest": p.digest} if p.digest else {})}
         if self.dedup:
             self._applied.record([(p.client, p.seq, p.floor, results[(p.client, p.seq)])
                                   for p in cmd.pushes], cmd.now)

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -180,3 +182,38 @@ def test_push_whose_reply_is_lost_is_applied_once(cluster_factory, dedup):
         assert value[0] == 1.0 and version == 1 and versions[KEY] == 1
     else:  # the debug switch proves this test would catch a double apply
         assert value[0] == 2.0
+
+
+def test_replayed_push_is_answered_and_forged_push_id_is_refused(cluster_factory):
+    """An exact replay of a push body is a duplicate (original answer, nothing applied); the same
+    (client, seq) with other content is a forged or reused id: a typed error, nothing applied."""
+    cluster = cluster_factory(shards=1).start()
+
+    def body(value: float) -> bytes:
+        return frame.encode(frame.KIND_REQUEST, {"client": "victim", "seq": 7, "floor": 7,
+                                                 "dense": [{"key": KEY, "block": 0, "array": 0}]},
+                            [np.full(1, value, np.float32)])
+
+    def post(data: bytes) -> tuple[int, dict]:
+        leader = wait_until(lambda: cluster.leader(0), 30, "a leader")
+        req = urllib.request.Request(leader["data_url"] + "/v1/rpc/push", data=data, method="POST",
+                                     headers={"Authorization": f"Bearer {cluster.token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, frame.decode(resp.read()).meta
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    async def create_and_read(read_only=False):
+        async with client(cluster) as ps:
+            if not read_only:
+                await ps.create(KEY, np.zeros(1, np.float32))
+            return await ps.get(KEY)
+
+    asyncio.run(create_and_read())
+    assert post(body(5.0)) == (200, {"versions": {KEY: 1}})
+    assert post(body(5.0)) == (200, {"versions": {KEY: 1}})        # replay: same answer
+    status, err = post(body(6.0))                                   # forged: other content
+    assert status == 400 and err["error"] == "InvalidRequest" and "already used" in err["message"]
+    value, version = asyncio.run(create_and_read(read_only=True))
+    assert value[0] == 5.0 and version == 1
