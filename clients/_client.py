@@ -180,12 +180,17 @@ class Client:
     async def _post(self, url: str, body: bytes) -> frame.Frame:
         self.stats.requests += 1
         self.stats.bytes_sent += len(body)
+        # Every attempt has its own id; the server logs it and echoes it, and errors carry it.
+        request_id = f"{self.client_id[:12]}-{self.stats.requests}"
         status, data = await self._transport.request(
-            "POST", url, body, headers={**self._headers(), "Content-Type": "application/x-kvps-frame"},
+            "POST", url, body, headers={**self._headers(), "Content-Type": "application/x-kvps-frame",
+                                        "X-Request-Id": request_id},
             timeout=self.request_timeout)
         self.stats.bytes_received += len(data)
         if status != 200:
-            raise _error_from_response(status, data)
+            err = _error_from_response(status, data)
+            err.fields.setdefault("request_id", request_id)
+            raise err
         return frame.decode(data, max_raw_bytes=1 << 62, kinds=(frame.KIND_RESPONSE,))
 
     def _backoff(self, attempt: int) -> float:

@@ -107,7 +107,7 @@ DATA_PATHS: dict[str, dict[str, Any]] = {
         "security": _BEARER,
         "parameters": [{"name": "op", "in": "path", "required": True, "schema": {"enum": [
             "push", "pull", "pull_rows", "create_key", "create_table", "delete_key", "set",
-            "describe", "keys", "state_hash"]}}],
+            "describe", "keys", "state_hash", "clock_tick", "clocks"]}}],
         "requestBody": {"required": True, "content": {"application/x-kvps-frame": {"schema": _str}}},
         "responses": {"200": {"description": "response frame",
                               "content": {"application/x-kvps-frame": {"schema": _str}}},

@@ -244,6 +244,20 @@ def test_nonfinite_gradients_skipped_and_counted(cluster):
     assert 'kvps_nonfinite_pushes_total{action="skipped"' in body.decode()
 
 
+def test_client_errors_carry_the_request_id_the_server_logged(cluster):
+    async def conflict():
+        async with client(cluster) as ps:
+            await ps.create("rid/v", np.zeros(2, np.float32))
+            with pytest.raises(kc.VersionConflict) as info:
+                await ps.set("rid/v", np.ones(2, np.float32), expected_version=5)
+            return info.value, ps.client_id
+    err, client_id = asyncio.run(conflict())
+    rid = err.fields["request_id"]
+    assert rid.startswith(client_id[:12])
+    logs = "".join(p.read_text() for p in cluster.data_dir.glob("node-*/logs/shard-*.log"))
+    assert rid in logs  # one id joins the client's exception and the server's log line
+
+
 def test_request_ids_are_echoed(cluster):
     base = leader_url(cluster, 0)
     status, _, headers = post(base + "/v1/rpc/keys", frame.encode(frame.KIND_REQUEST, {}),
@@ -283,7 +297,7 @@ def test_fuzz_data_endpoints_never_5xx_and_never_change_state_on_rejection(clust
     base = leader_url(cluster, shard)
     seen = {"requests": 0, "rejected": 0}
 
-    @settings(max_examples=1500, deadline=None, derandomize=True,
+    @settings(max_examples=2500, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(_request)
     def one(req):
