@@ -45,8 +45,10 @@ def test_chaos_ci_scenario_every_fault_kind_nothing_lost(tmp_path):
 
 def test_chaos_catches_double_applies_in_a_build_without_the_duplicate_table(tmp_path):
     """The harness's self-test: with ``unsafe_disable_dedup`` every retried push is applied again.
-    Lost replies and leader kills force retries, so the counter check must fail."""
+    Lost replies and leader kills force retries, so the counter check must fail. Loopback mode:
+    these faults need no namespaces, and it keeps that mode covered when CI has them."""
     opts = ChaosOptions(duration=25, seed=SEED, out=tmp_path / "broken", shards=2, train_workers=1,
+                        mode="loopback",
                         register_clients=2, faults=("reply-loss", "kill-leader"),
                         unsafe_disable_dedup=True, hold=(3.0, 4.0), quiet=(0.5, 1.0), progress=False)
     report = run_chaos(opts)
