@@ -22,6 +22,8 @@ def build_report(state: Any, wl: Any, final: dict, convergence: dict, train: dic
     for name, steps in train.items():
         records += [OpRecord("train", -1, name, s["t0"], s["t1"], s["ok"], s.get("error")) for s in steps]
     faults = [f.to_dict() for f in state.fault_records]
+    for f in faults:
+        f["elections_after_heal"] = _elections_after_heal(f, state.leader_events)
     recoveries = checks.failovers(faults, records, opts.shards)
     for f, r in zip(faults, recoveries):
         f["recovery_s"] = r["recovery_s"]
@@ -58,6 +60,16 @@ def build_report(state: Any, wl: Any, final: dict, convergence: dict, train: dic
         "timeline": _timeline(records, t0, state.workload_end),
         "log": state.log_lines,
     }
+
+
+def _elections_after_heal(fault: dict, events: list[dict], window: float = 3.0) -> int | None:
+    """Leader or term changes on a cut shard within ``window`` s after the cut healed. Raft with
+    PreVote has none: a rejoining replica whose term grew while it was cut off would otherwise
+    depose a healthy leader (pysyncobj 0.3.17 has no PreVote)."""
+    if fault["kind"] not in ("partition-leader", "isolate-follower") or fault["end"] is None:
+        return None
+    return sum(1 for e in events if e["shard"] == fault["shard"]
+               and fault["end"] - 0.05 <= e["t"] <= fault["end"] + window)
 
 
 def _by_kind(faults: list[dict]) -> dict[str, dict]:
@@ -126,6 +138,15 @@ def write_report(report: dict[str, Any], out: Path) -> None:
     plot(report, out / "timeline.png")
 
 
+def _rejoins(faults: list[dict]) -> str:
+    cuts = [f for f in faults if f.get("elections_after_heal") is not None]
+    if not cuts:
+        return "no partitions or isolations ran"
+    disrupted = sum(1 for f in cuts if f["elections_after_heal"])
+    why = " (a rejoining replica with a higher term deposed the leader: no PreVote)" if disrupted else ""
+    return f"{disrupted} of {len(cuts)}{why}"
+
+
 def _fmt(v: Any) -> str:
     return "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
 
@@ -150,6 +171,7 @@ def markdown(r: dict[str, Any]) -> str:
               f"| replica state hashes | {'equal on every shard' if r['convergence']['ok'] else 'NOT equal'} |",
               f"| monotonic reads | {'ok' if r['monotonic']['ok'] else str(r['monotonic']['count']) + ' violations'} |",
               f"| longest availability gap | {_fmt(r['availability']['longest_gap_s'])} s |",
+              f"| cuts followed by an election on heal | {_rejoins(r['faults'])} |",
               f"| training loss | {_fmt(r['training'].get('first'))} → {_fmt(r['training'].get('last'))} "
               f"({r['training']['steps']} steps, {r['training']['failed_steps']} failed) |",
               f"| operations | " + ", ".join(f"{k} {v}" for k, v in sorted(r["ops"].items())) + " |",

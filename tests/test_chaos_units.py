@@ -156,8 +156,10 @@ def test_report_of_a_failing_run_names_every_failure(tmp_path):
     opts = ChaosOptions(duration=10, seed=9, shards=2)
     state = SimpleNamespace(opts=opts, workload_start=100.0, workload_end=110.0, mode="loopback",
                             mode_note="test", faults=["kill-leader"], not_run={"delay": "netns only"},
-                            fault_records=[FaultRecord("kill-leader", 103.0, 103.1, 104.0, shard=0, node=1)],
-                            leader_events=[{"t": 103.5, "shard": 0, "node": 2, "term": 3}], log_lines=[])
+                            fault_records=[FaultRecord("kill-leader", 103.0, 103.1, 104.0, shard=0, node=1),
+                                           FaultRecord("isolate-follower", 105, 106, 106.6, shard=1, node=0)],
+                            leader_events=[{"t": 103.5, "shard": 0, "node": 2, "term": 3},
+                                           {"t": 106.5, "shard": 1, "node": 1, "term": 5}], log_lines=[])
     wl = SimpleNamespace(
         records=[OpRecord("counter", s, "c", 100 + t, 100.01 + t, True) for s in (0, 1) for t in range(10)],
         tally={"k": CounterTally(acked=5, versions={"c": [1, 2]})},
@@ -176,4 +178,5 @@ def test_report_of_a_failing_run_names_every_failure(tmp_path):
     write_report(report, tmp_path)
     md = (tmp_path / "report.md").read_text()
     assert "FAILED" in md and "--seed 9" in md and "kill-leader" in md
+    assert report["faults"][1]["elections_after_heal"] == 1 and "| 1 of 1 (a rejoining" in md
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
