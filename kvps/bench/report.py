@@ -137,7 +137,8 @@ def _b1_md(r: dict) -> list[str]:
     if kv and kv.get("wire_bytes"):
         rows += [(f"kvps wire bytes in the whole run (client bodies): {kv['wire_bytes'] / MB:,.0f} MB; "
                  f"client retries: {kv.get('client_retries', 0)}; replica role changes (elections "
-                 f"with no fault injected) during B1: {kv.get('role_changes', '–')}."), ""]
+                 f"with no fault injected) during B1: {kv.get('role_changes', '–')}; push requests merged per "
+                 f"Raft entry: {_f(kv.get('pushes_per_entry'))}."), ""]
     return rows
 
 

@@ -129,15 +129,14 @@ def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, results:
         if "b1" in sections:
             with progress.phase("B1 kvps"):
                 create_model(cluster.endpoints, cluster.token, plan.model)
-                before = _role_changes(cluster)
+                before = _replica_counters(cluster)
                 reports = run_workers(kvps_worker, (cluster.endpoints, cluster.token, plan.model, {}),
                                       plan.workers, warmup=plan.b1_warmup, seconds=plan.b1_seconds,
                                       server_cpu=cpu)
                 b1["kvps"] = {**summarize(reports, 2 * plan.model.nbytes), "load_avg": _load(),
                               "wire_bytes": sum(r.counters.get("wire_bytes", 0) for r in reports),
                               "client_retries": sum(r.counters.get("retries", 0) for r in reports),
-                              # elections with no fault injected: each one stalls a shard's pushes
-                              "role_changes": _role_changes(cluster) - before,
+                              **_b1_server_counters(before, _replica_counters(cluster)),
                               "semantics": "every push applied exactly once (merged on the leader)"}
         if "b2" in sections:
             with progress.phase("B2 kvps"):
@@ -160,16 +159,27 @@ def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, results:
                                            "tensor_bytes": plan.b3_model.tensor_bytes}}
 
 
-def _role_changes(cluster) -> int:
-    """Leader/follower transitions counted by every replica (a fault-free run should have none)."""
+def _replica_counters(cluster) -> dict[str, int]:
+    """Every replica's ``/v1/status`` counters, summed over the cluster."""
     from kvps.bench.failover import replica_status
 
-    total = 0
+    total: dict[str, int] = {}
     for shard in range(cluster.cfg.shards):
         for node in cluster.cfg.replica_nodes(shard):
-            st = replica_status(cluster, shard, node)
-            total += (st or {}).get("counters", {}).get("leader_changes", 0)
+            for name, value in ((replica_status(cluster, shard, node) or {}).get("counters") or {}).items():
+                total[name] = total.get(name, 0) + int(value)
     return total
+
+
+def _b1_server_counters(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    batches = delta.get("batches", 0)
+    return {
+        # elections with no fault injected: each one stalls a shard's pushes
+        "role_changes": delta.get("leader_changes", 0),
+        # client push requests per Raft entry: how much the leaders' merging saved
+        "pushes_per_entry": delta.get("batched_pushes", 0) / batches if batches else float("nan"),
+    }
 
 
 # ---- derived figures ----------------------------------------------------------------------------
