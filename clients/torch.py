@@ -127,17 +127,18 @@ class PSModule:
         self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(loss.backward)
 
-    async def push(self) -> dict[str, int]:
+    async def push(self, extra: dict[str, Any] | None = None) -> dict[str, int]:
         """Push this step's gradients (or wait for the pushes the hooks started), clear the
-        module's grads, and advance this worker's clock. Returns ``{key: version}``."""
+        module's grads, and advance this worker's clock. ``extra``: more ``{key: value}`` to push
+        in the same call (a step counter, metrics). Returns ``{key: version}``."""
         self._loop = asyncio.get_running_loop()
         await self._ensure_created()
         inflight, self._inflight = self._inflight, []
         started = {name for name, _ in inflight}
         rest = {n: p.grad for n, p in self.params.items() if p.grad is not None and n not in started}
         calls: list[Any] = [asyncio.wrap_future(f) for _, f in inflight]
-        if rest:
-            calls.append(self._push_grads(rest))
+        if rest or extra:
+            calls.append(self._push_grads(rest, extra or {}))
         calls += [self._push_rows(emb) for emb in self.embeddings]
         results = await asyncio.gather(*calls, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -185,11 +186,11 @@ class PSModule:
         await _ready(event)
         return await self.client.push({self.keys[name]: host})
 
-    async def _push_grads(self, grads: dict[str, torch.Tensor]) -> dict[str, int]:
+    async def _push_grads(self, grads: dict[str, torch.Tensor], extra: dict[str, Any]) -> dict[str, int]:
         hosts = {self.keys[n]: _to_host(g) for n, g in grads.items()}  # all copies queued first
         for _, event in hosts.values():
             await _ready(event)
-        return await self.client.push({k: h for k, (h, _) in hosts.items()})
+        return await self.client.push({**{k: h for k, (h, _) in hosts.items()}, **extra})
 
     async def _push_rows(self, emb: "Embedding") -> dict[str, int]:
         version = await emb._apush()
@@ -213,8 +214,8 @@ class SyncPSModule:
     def pull(self) -> None:
         self._sync._run(self.inner.pull())
 
-    def push(self) -> dict[str, int]:
-        return self._sync._run(self.inner.push())
+    def push(self, extra: dict[str, Any] | None = None) -> dict[str, int]:
+        return self._sync._run(self.inner.push(extra))
 
     def close(self) -> None:
         self._sync._run(self.inner.close())

@@ -3,7 +3,7 @@
     kvps up [--nodes 3] [--shards 8] [--replicas 3] [--port 7100] [--data-dir DIR]
     kvps node --config cluster.toml --id ID
     kvps status [--endpoint URL] [--json]
-    kvps demo [--out DIR]
+    kvps demo [--out DIR] [--seed N] [--quick] [--staleness S|none]
     kvps chaos ...   (kvps_chaos.cli)
     kvps bench ...   (kvps.bench.cli)
 """
@@ -227,7 +227,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train on a local cluster while leaders are killed")
     demo.add_argument("--out", default="demo-out")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--quick", action="store_true", help="3 epochs on 2 shards (a smoke test)")
+    demo.add_argument("--staleness", default=4, type=_staleness,
+                      help="SSP bound in steps; 0 = synchronous (BSP), 'none' = asynchronous")
     return p
+
+
+def _staleness(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError("an int >= 0, or 'none' (asynchronous)")
+    return int(text)
 
 
 # Subcommands whose own packages parse their arguments, and global options that take a value.
@@ -271,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench_main(args.args)
         elif args.command == "demo":
             from kvps.demo import main as demo_main
-            return demo_main(out=Path(args.out), seed=args.seed)
+            return demo_main(out=Path(args.out), seed=args.seed, quick=args.quick,
+                             staleness=args.staleness)
     except KvpsError as exc:
         print(f"kvps {args.command}: {exc.message}", file=sys.stderr)
         return 1
