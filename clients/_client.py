@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 
 from kvps.delta import frame
+from kvps.history import apply_xor
 from kvps.errors import (
-    InvalidRequest, KvpsError, NotLeader, RetryableError, ShapeMismatch, Timeout,
+    CodecError, InvalidRequest, KvpsError, NotLeader, RetryableError, ShapeMismatch, Timeout,
     Unavailable, error_from_dict,
 )
 from kvps.initializer import Zeros, initializer_to_dict
@@ -34,6 +35,8 @@ from kvps.optimizer import Add, optimizer_to_dict
 from kvps.placement import DenseLayout, block_shard, layout_for, row_shards
 
 from ._convert import to_numpy
+from ._lossy import LossyEncoder
+from ._rows import RowCache
 from ._routing import ClusterMap
 from ._transport import HttpTransport, Transport
 
@@ -65,7 +68,8 @@ class Client:
                  consistency: str = "leader", codec: str = "none",
                  client_id: str | None = None, transport: Transport | None = None,
                  retry: RetryPolicy = RetryPolicy(), seed: int | None = None,
-                 ssl: ssl_.SSLContext | str | None = None,
+                 ssl: ssl_.SSLContext | str | None = None, deltas: bool = True,
+                 push_codec: str = "raw", row_cache: bool = True,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         if endpoints is None:
             endpoints = os.environ.get("KVPS_ENDPOINT", DEFAULT_ENDPOINT)
@@ -76,7 +80,10 @@ class Client:
         self.timeout = timeout
         self.request_timeout = request_timeout
         self.consistency = consistency
-        self.codec = codec
+        self.codec = codec              # request bodies, and full blocks in pull replies
+        self.deltas = deltas            # ask for exact XOR deltas of blocks this client holds
+        self._lossy = LossyEncoder(push_codec) if push_codec != "raw" else None
+        self._row_cache = row_cache     # hold pulled rows, pull only rows whose version changed
         self.client_id = client_id or uuid.uuid4().hex
         self.stats = ClientStats()
         if isinstance(ssl, str):  # a CA file that signed the cluster's certificate
@@ -89,6 +96,7 @@ class Client:
         self._map: ClusterMap | None = None
         self._infos: dict[str, dict] = {}
         self._cache: dict[str, _DenseCache] = {}
+        self._rows: dict[str, RowCache] = {}
         self._seq = 0
         self._waiting: set[int] = set()  # seqs that may still be retried (sets the floor)
 
@@ -146,9 +154,9 @@ class Client:
     # ---- the one request path ----------------------------------------------------------------
 
     async def _call(self, shard: int, op: str, meta: dict, arrays=(), *,
-                    consistency: str = "leader") -> frame.Frame:
+                    consistency: str = "leader", codec: str | list[str] | None = None) -> frame.Frame:
         body = frame.encode(frame.KIND_REQUEST, {**meta, "accept_codec": self.codec}, arrays,
-                            codec=self.codec)
+                            codec=self.codec if codec is None else codec)
         last: KvpsError | None = None
         attempt = 0
         try:
@@ -258,6 +266,9 @@ class Client:
                              for s in range(self.cluster_map.shards)])
         self._infos.pop(key, None)
         self._cache.pop(key, None)
+        self._rows.pop(key, None)
+        if self._lossy is not None:
+            self._lossy.forget(key)
 
     async def describe(self, key: str, *, refresh: bool = False) -> dict:
         if refresh or key not in self._infos:
@@ -304,8 +315,14 @@ class Client:
         requests = []
         for shard, items in per_shard.items():
             for chunk in _chunks(items, self.cluster_map.max_push_bytes, lambda it: it[2].nbytes):
-                meta = {"dense": [{"key": k, "block": b, "array": i} for i, (k, b, _) in enumerate(chunk)]}
-                requests.append((shard, meta, [a for _, _, a in chunk]))
+                entries, arrays = [], []
+                for key, block, part in chunk:
+                    fields, parts = ({}, [part]) if self._lossy is None else self._lossy.encode(key, block, part)
+                    entries.append({"key": key, "block": block, **fields, "array": len(arrays)})
+                    if len(parts) == 2:  # top-k: values, then their flat indices
+                        entries[-1]["idx"] = len(arrays) + 1
+                    arrays += parts
+                requests.append((shard, {"dense": entries}, arrays))
         return await self._push_requests(requests)
 
     async def _push_requests(self, requests: list[tuple[int, dict, list]]) -> dict[str, int]:
@@ -351,15 +368,21 @@ class Client:
                     {"key": key, "blocks": blocks, "have": [cache.versions[b] for b in blocks],
                      "min_version": int(mv)})
         resps = await self._fan_out([
-            self._call(shard, "pull", {"dense": items, "consistency": consistency},
+            self._call(shard, "pull", {"dense": items, "consistency": consistency, "delta": self.deltas},
                        consistency=consistency)
             for shard, items in per_shard.items()])
         for resp in resps:
             for entry in resp.meta["blocks"]:
-                cache = self._cache[entry["key"]]
+                cache, b = self._cache[entry["key"]], entry["block"]
                 if entry["array"] is not None:
-                    cache.blocks[entry["block"]] = resp.arrays[entry["array"]]
-                cache.versions[entry["block"]] = entry["version"]
+                    value = resp.arrays[entry["array"]]
+                    if entry.get("base") is not None:  # exact delta onto the version we hold
+                        if cache.versions[b] != entry["base"] or cache.blocks[b] is None:
+                            raise CodecError(f"delta for {entry['key']!r} block {b} is against "
+                                             f"version {entry['base']}, held {cache.versions[b]}")
+                        value = apply_xor(cache.blocks[b], value)
+                    cache.blocks[b] = value
+                cache.versions[b] = entry["version"]
         return {key: self._cache[key].assemble() for key in keys}
 
     async def get(self, key: str, *, consistency: str | None = None) -> tuple[np.ndarray, int]:
@@ -404,6 +427,8 @@ class Client:
         shards = row_shards(key, unique, self.cluster_map.shards)
         consistency = self._consistency(consistency)
         groups = [(int(s), np.flatnonzero(shards == s)) for s in np.unique(shards)]
+        if self._row_cache:
+            return (await self._pull_rows_incremental(key, info, unique, groups, consistency))[inverse]
         resps = await self._fan_out([
             self._call(s, "pull_rows", {"key": key, "ids": 0, "consistency": consistency},
                        [unique[idx]], consistency=consistency)
@@ -412,6 +437,21 @@ class Client:
         for (_, idx), resp in zip(groups, resps):
             out[idx] = resp.arrays[resp.meta["rows"]]
         return out[inverse]
+
+    async def _pull_rows_incremental(self, key: str, info: dict, unique: np.ndarray,
+                                     groups: list, consistency: str) -> np.ndarray:
+        """Send the versions held; only changed rows come back (ids and versions compressed)."""
+        cache = self._rows.setdefault(key, RowCache(info["dim"], np.dtype(info["dtype"])))
+        have = cache.have(unique)  # (unique,) -1 where not held
+        resps = await self._fan_out([
+            self._call(s, "pull_rows", {"key": key, "ids": 0, "have": 1, "consistency": consistency},
+                       [unique[idx], have[idx]], consistency=consistency, codec="shuffle-lz4")
+            for s, idx in groups])
+        for (_, idx), resp in zip(groups, resps):
+            changed = resp.arrays[resp.meta["changed"]]  # positions within this group's ids
+            cache.update(unique[idx][changed], resp.arrays[resp.meta["versions"]],
+                         resp.arrays[resp.meta["rows"]])
+        return cache.rows(unique)
 
     async def push_rows(self, key: str, ids: Any, grads: Any) -> int:
         """Push row gradients; duplicate ids are summed first. Returns the highest row version."""
@@ -432,8 +472,10 @@ class Client:
             idx = np.flatnonzero(shards == s)
             for start in range(0, len(idx), per_request):
                 part = idx[start:start + per_request]
-                requests.append((int(s), {"rows": [{"key": key, "ids": 0, "grads": 1}]},
-                                 [unique[part], summed[part]]))
+                fields, parts = ({}, [summed[part]]) if self._lossy is None else \
+                    self._lossy.encode(key, -1, summed[part], rows=True)
+                requests.append((int(s), {"rows": [{"key": key, "ids": 0, "grads": 1, **fields}]},
+                                 [unique[part], *parts]))
         if not requests:
             return 0
         return (await self._push_requests(requests)).get(key, 0)

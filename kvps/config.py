@@ -98,6 +98,10 @@ class ServerConfig:
     overload_wait: float = 2.0
     # How long a new leader waits for its barrier, and a follower read for min_version.
     barrier_wait: float = 2.0
+    # Pulls send exact XOR deltas against the last delta_depth versions of a block, kept within
+    # delta_history_bytes per replica (references to immutable blocks; a miss is a full block).
+    delta_depth: int = 4
+    delta_history_bytes: int = 256 * MiB
     # Applied-table sessions idle for longer than this are forgotten (leader-stamped time).
     session_ttl: float = 3600.0
     # Gradients with NaN/Inf: "reject" (InvalidRequest) or "skip" (drop the push, answer ok).
@@ -108,6 +112,7 @@ class ServerConfig:
     def validate(self) -> "ServerConfig":
         _positive(self, "max_request_bytes", "max_raw_bytes", "body_timeout", "batch_bytes",
                   "max_inflight_proposals", "max_inflight_bytes", "overload_wait", "barrier_wait",
+                  "delta_depth", "delta_history_bytes",
                   "session_ttl")
         if self.nonfinite not in ("reject", "skip"):
             raise ConfigError("nonfinite must be 'reject' or 'skip'", field="nonfinite")

@@ -22,7 +22,9 @@ from kvps.auth import TokenStore
 from kvps.command import ClockTick, CreateKey, CreateTable, DeleteKey, Set
 from kvps.delta import frame
 from kvps.errors import InvalidRequest, KvpsError, RequestTooLarge, Timeout
+from kvps.history import xor_delta
 from kvps.merge import PushRequest, content_digest
+from kvps.placement import DenseLayout
 from kvps.metrics import CONTENT_TYPE
 from kvps.replica import Replica
 
@@ -63,11 +65,13 @@ def make_app(replica: Replica, tokens: TokenStore) -> web.Application:
                 raise InvalidRequest(f"unknown operation {op!r}", op=op)
             body = await _read_body(request, cfg.max_request_bytes, cfg.body_timeout)
             req = frame.decode(body, max_raw_bytes=cfg.max_raw_bytes, kinds=(frame.KIND_REQUEST,))
-            meta, arrays = await handler(replica, req)
+            meta, arrays, *codecs = await handler(replica, req)
             codec = req.meta.get("accept_codec", "none")
             if codec not in ("none", "lz4", "shuffle-lz4", "auto"):
                 codec = "none"
-            parts = frame.encode_parts(frame.KIND_RESPONSE, meta, arrays, codec=codec)
+            # a handler may choose per array (e.g. compress deltas, not raw weights)
+            parts = frame.encode_parts(frame.KIND_RESPONSE, meta, arrays,
+                                       codec=codecs[0] if codecs else codec)
         except KvpsError as exc:
             replica.count_rejected(type(exc).__name__)
             if exc.http_status < 500 and exc.http_status != 421:
@@ -174,9 +178,9 @@ def _client_ids(meta: dict) -> tuple[str, int, int]:
 
 async def _push(replica: Replica, req: frame.Frame):
     client, seq, floor = _client_ids(req.meta)
-    dense = tuple((_key(it), _field(it, "block", int), _array(req, it.get("array")))
+    dense = tuple((_key(it), _field(it, "block", int), _dense_grad(replica, req, it))
                   for it in _items(req.meta, "dense"))
-    rows = tuple((_key(it), _array(req, it.get("ids")), _array(req, it.get("grads")))
+    rows = tuple((_key(it), _array(req, it.get("ids")), _row_grads(replica, req, it))
                  for it in _items(req.meta, "rows"))
     if not dense and not rows:
         raise InvalidRequest("empty push")
@@ -185,8 +189,51 @@ async def _push(replica: Replica, req: frame.Frame):
     return {"versions": result["versions"]}, ()
 
 
+def _widen(replica: Replica, key: str, arr: np.ndarray, encoding: str) -> np.ndarray:
+    """A gradient sent in a lossy push codec, widened back to the key's dtype."""
+    dtype = np.dtype(replica.describe(key)["dtype"])
+    if encoding == "fp16" and arr.dtype == np.float16:
+        return arr.astype(dtype)
+    if encoding == "bf16" and arr.dtype == np.uint16:  # bfloat16 = the top half of a float32
+        return (arr.astype(np.uint32) << 16).view(np.float32).astype(dtype)
+    raise InvalidRequest(f"{encoding!r} gradient for {key!r} must be sent as its carrier dtype", key=key)
+
+
+def _dense_grad(replica: Replica, req: frame.Frame, it: dict) -> np.ndarray:
+    encoding = _field(it, "encoding", str, "raw")
+    if encoding == "raw":
+        return _array(req, it.get("array"))
+    key, block = _key(it), _field(it, "block", int)
+    if encoding in ("fp16", "bf16"):
+        return _widen(replica, key, _array(req, it.get("array")), encoding)
+    if encoding == "topk":  # the k largest entries: flat indices + values, the rest is zero
+        info = replica.describe(key)
+        if info.get("kind") != "dense" or block not in info.get("blocks", []):
+            raise InvalidRequest(f"block {block} of {key!r} is not on this shard", key=key)
+        layout = DenseLayout(tuple(info["shape"]), info["dtype"], info["block_rows"])
+        idx, values = _array(req, it.get("idx")), _array(req, it.get("array"))
+        dense = np.zeros(layout.block_shape(block), dtype=np.dtype(info["dtype"]))
+        if idx.dtype != np.int64 or idx.ndim != 1 or values.shape != idx.shape or values.dtype != dense.dtype:
+            raise InvalidRequest("top-k push needs int64 indices and values of the key's dtype", key=key)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= dense.size):
+            raise InvalidRequest("top-k index out of range", key=key)
+        dense.reshape(-1)[idx] = values
+        return dense
+    raise InvalidRequest(f"unknown gradient encoding {encoding!r}", field="encoding")
+
+
+def _row_grads(replica: Replica, req: frame.Frame, it: dict) -> np.ndarray:
+    encoding = _field(it, "encoding", str, "raw")
+    grads = _array(req, it.get("grads"))
+    return grads if encoding == "raw" else _widen(replica, _key(it), grads, encoding)
+
+
 async def _pull(replica: Replica, req: frame.Frame):
     consistency = _field(req.meta, "consistency", str, "leader")
+    deltas = _field(req.meta, "delta", bool, False)
+    full_codec = req.meta.get("accept_codec", "none")
+    if full_codec not in ("none", "lz4", "shuffle-lz4", "auto"):
+        full_codec = "none"
     items = []
     wanted: dict[tuple[str, int], int] = {}
     for it in _items(req.meta, "dense"):
@@ -199,25 +246,45 @@ async def _pull(replica: Replica, req: frame.Frame):
             wanted.update({(key, b): min_version for b in blocks})
         items.append((key, blocks, have))
     await replica.before_read(consistency, wanted)
-    out_meta, arrays = [], []
+    out_meta, arrays, codecs = [], [], []
     for key, blocks, have in items:
         for block, held, (version, value) in zip(blocks, have, replica.read_blocks(key, blocks)):
             entry = {"key": key, "block": block, "version": version, "array": None}
             if held != version:
+                base = replica.delta_base(key, block, held) if deltas and isinstance(held, int) else None
                 entry["array"] = len(arrays)
-                arrays.append(value)
+                if base is not None and base.shape == value.shape:
+                    # exact: the client XORs it onto the version it holds
+                    entry["base"] = held
+                    arrays.append(xor_delta(value, base))
+                    codecs.append("shuffle-lz4")
+                else:
+                    arrays.append(value)
+                    codecs.append(full_codec)
             out_meta.append(entry)
     replica.count_pull(sum(a.nbytes for a in arrays))
-    return {"blocks": out_meta}, arrays
+    return {"blocks": out_meta}, arrays, codecs
 
 
 async def _pull_rows(replica: Replica, req: frame.Frame):
+    """Rows ``ids``; with ``have`` (the versions the caller holds, -1 for none) only the rows
+    whose version differs come back, with their positions in ``ids``."""
     key = _key(req.meta)
     ids = _array(req, req.meta.get("ids"))
     await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
-    values, versions = replica.read_rows(key, ids)
+    if "have" not in req.meta:
+        values, versions = replica.read_rows(key, ids)
+        replica.count_pull(values.nbytes)
+        return {"rows": 0, "versions": 1}, (values, versions)
+    have = _array(req, req.meta.get("have"))
+    if have.shape != ids.shape or have.dtype != np.int64:
+        raise InvalidRequest("'have' must be int64 versions, one per id", key=key)
+    current = replica.row_versions(key, ids)
+    changed = np.flatnonzero(current != have)  # (m,) positions in ids
+    values, _ = replica.read_rows(key, ids[changed])
     replica.count_pull(values.nbytes)
-    return {"rows": 0, "versions": 1}, (values, versions)
+    return ({"changed": 0, "versions": 1, "rows": 2}, (changed.astype(np.int64), current[changed], values),
+            ["shuffle-lz4", "shuffle-lz4", "none"])
 
 
 async def _create_key(replica: Replica, req: frame.Frame):

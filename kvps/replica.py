@@ -23,12 +23,13 @@ import numpy as np
 
 from kvps.batcher import PushBatcher
 from kvps.command import (
-    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Set, decode_command,
+    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Push, Set, decode_command,
 )
 from kvps.config import ClusterConfig
 from kvps.errors import (
     CodecError, InvalidRequest, KeyNotFound, KvpsError, NotLeader, Unavailable,
 )
+from kvps.history import BlockHistory
 from kvps.merge import PushRequest, is_finite, request_bytes
 from kvps.metrics import ReplicaMetrics
 from kvps.raft import bridge
@@ -63,6 +64,8 @@ class Replica:
         # (log index, monotonic time) of recent applies: a follower's lag in seconds is the age
         # of the first entry it has not acknowledged.
         self._applied_at: deque[tuple[int, float]] = deque(maxlen=20000)
+        # recent block versions, for exact XOR deltas in pulls (kvps/history.py)
+        self._history = BlockHistory(depth=cfg.server.delta_depth, max_bytes=cfg.server.delta_history_bytes)
         self._journal_dir = data_dir / f"shard-{shard}"
         self._journal_dir.mkdir(parents=True, exist_ok=True)
         self._group: ShardGroup | None = None
@@ -109,11 +112,39 @@ class Replica:
             return InvalidRequest(f"undecodable command: {exc}")
         with self._lock:
             result = self._state.apply(cmd)
+            self._remember_blocks(cmd)
         if self._group is not None:  # pysyncobj advances lastApplied after we return
             self._applied_at.append((self._group.raftLastApplied + 1, time.monotonic()))
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._pulse_applied)
         return result
+
+    def _remember_blocks(self, cmd: Command) -> None:
+        """Keep the new versions of the blocks ``cmd`` wrote (references, no copies)."""
+        if isinstance(cmd, DeleteKey):
+            self._history.drop_key(cmd.key)
+            return
+        if isinstance(cmd, Push):
+            touched = [(d.key, d.block) for d in cmd.dense]
+        elif isinstance(cmd, (Set, CreateKey)):
+            touched = [(cmd.key, b) for b, _ in cmd.blocks]
+        else:
+            return
+        for key, block in touched:
+            try:
+                version, value = self._state.read_blocks(key, [block])[0]
+            except KvpsError:  # the command was refused: nothing to remember
+                continue
+            self._history.add(key, block, version, value)
+
+    def delta_base(self, key: str, block: int, version: int) -> np.ndarray | None:
+        """Block ``version`` of ``key`` if this replica still remembers it."""
+        with self._lock:
+            return self._history.get(key, block, version)
+
+    def row_versions(self, key: str, ids: np.ndarray) -> np.ndarray:
+        with self._lock:
+            return self._state.row_versions(key, ids)
 
     def _snapshot_state(self) -> bytes:
         with self._lock:
@@ -308,8 +339,7 @@ class Replica:
         deadline = time.monotonic() + self.cfg.server.barrier_wait
         while True:
             with self._lock:
-                lagging = [kb for kb, v in wanted.items()
-                           if self._state.block_versions(kb[0], [kb[1]])[0] < v]
+                lagging = [kb for kb, v in wanted.items() if self._block_version(*kb) < v]
             if not lagging:
                 return
             remaining = deadline - time.monotonic()
@@ -317,6 +347,13 @@ class Replica:
                 raise Unavailable("replica has not reached min_version", shard=self.shard,
                                   key=lagging[0][0], block=lagging[0][1])
             await self._wait_applied(remaining)
+
+    def _block_version(self, key: str, block: int) -> int:
+        """-1 for a block this replica has not seen created yet (it may be behind the leader)."""
+        try:
+            return self._state.block_versions(key, [block])[0]
+        except KeyNotFound:
+            return -1
 
     def read_blocks(self, key: str, blocks: list[int]) -> list[tuple[int, np.ndarray]]:
         with self._lock:

@@ -345,6 +345,17 @@ class ShardState:
             raise InvalidRequest("row ids must be a 1-d integer array", key=key)
         return table.read(ids.astype(np.int64))
 
+    def row_versions(self, key: str, ids: np.ndarray) -> np.ndarray:
+        """(n,) int64 versions of rows ``ids`` (0 for untouched rows), without reading values."""
+        table: Table = self._entry(key, "table")  # type: ignore[assignment]
+        if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu" or ids.ndim != 1:
+            raise InvalidRequest("row ids must be a 1-d integer array", key=key)
+        slots = table.slots_of(ids.astype(np.int64))
+        out = np.zeros(len(slots), dtype=np.int64)
+        stored = slots >= 0
+        out[stored] = table.versions[slots[stored]]
+        return out
+
     def clocks(self, job: str, now: float) -> dict[str, int]:
         """The live worker clocks of ``job`` at ``now`` (the reader's time)."""
         return self._clocks.live(job, now)

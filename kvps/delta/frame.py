@@ -136,26 +136,32 @@ def _meta_bytes(meta: dict, head_len: int) -> bytes:
 
 
 def encode_parts(
-    kind: int, meta: dict, arrays: Sequence = (), *, codec: str = "none"
+    kind: int, meta: dict, arrays: Sequence = (), *, codec: str | Sequence[str] = "none"
 ) -> list[bytes | memoryview]:
     """The frame as a list of buffers; ``b"".join`` of them is :func:`encode`'s output.
 
+    ``codec`` is one codec for every array, or one per array (a delta compresses, a weight
+    block does not: compression is applied only where it pays).
     Raw (``none``) payloads are zero-copy memoryviews of the (normalised) input arrays: write
     or join the parts before mutating those arrays.
     """
     if kind not in _KINDS:
         raise CodecError(f"unknown frame kind {kind!r}")
-    if codec not in _codec.CODEC_CODES and codec != _codec.CODEC_AUTO:
-        raise CodecError(f"unknown codec {codec!r}")
+    codecs = [codec] * len(arrays) if isinstance(codec, str) else list(codec)
+    if len(codecs) != len(arrays):
+        raise CodecError(f"{len(codecs)} codecs for {len(arrays)} arrays")
+    for c in set(codecs):
+        if c not in _codec.CODEC_CODES and c != _codec.CODEC_AUTO:
+            raise CodecError(f"unknown codec {c!r}")
     if len(arrays) > MAX_ARRAYS:
         raise CodecError(f"{len(arrays)} arrays, cap {MAX_ARRAYS}")
     descr: list[bytes] = []
     wires: list[bytes | memoryview] = []
-    for item in arrays:
+    for item, array_codec in zip(arrays, codecs):
         code, arr = _normalize(item)
         if arr.ndim > MAX_NDIM:
             raise CodecError(f"array has {arr.ndim} dims, cap {MAX_NDIM}")
-        codec_code, wire = _codec.compress(arr, codec)
+        codec_code, wire = _codec.compress(arr, array_codec)
         descr.append(_DESCR.pack(code, codec_code, arr.ndim, zlib.crc32(wire), arr.nbytes, len(wire)))
         descr.extend(_DIM.pack(d) for d in arr.shape)
         wires.append(wire)
@@ -166,7 +172,7 @@ def encode_parts(
     return [header + meta_raw + descr_bytes, *wires]
 
 
-def encode(kind: int, meta: dict, arrays: Sequence = (), *, codec: str = "none") -> bytes:
+def encode(kind: int, meta: dict, arrays: Sequence = (), *, codec: str | Sequence[str] = "none") -> bytes:
     """One frame as bytes. Deterministic: identical input gives identical bytes."""
     return b"".join(encode_parts(kind, meta, arrays, codec=codec))
 
