@@ -63,11 +63,16 @@ async def _ready(event: Any) -> None:
         await asyncio.to_thread(event.synchronize)
 
 
-def _to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+def _staged(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``arr`` as a CPU tensor to copy to ``device``: pinned when that is a GPU, so the copy can be
+    non-blocking (a pageable source would be staged through a bounce buffer, synchronously)."""
     src = torch.from_numpy(np.ascontiguousarray(arr))
-    if device.type == "cpu":
-        return src
-    return src.pin_memory().to(device, non_blocking=True)
+    return src if device.type == "cpu" else src.pin_memory()
+
+
+def _to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    src = _staged(arr, device)
+    return src if device.type == "cpu" else src.to(device, non_blocking=True)
 
 
 def _merge_versions(results: list[dict[str, int]]) -> dict[str, int]:
@@ -120,7 +125,7 @@ class PSModule:
         values = await self.client.pull(list(self.keys.values()))
         with torch.no_grad():
             for name, p in self.params.items():
-                p.copy_(_to_device(values[self.keys[name]], p.device), non_blocking=True)
+                p.copy_(_staged(values[self.keys[name]], p.device), non_blocking=True)
 
     async def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` in a worker thread, so the pushes the hooks start run meanwhile."""

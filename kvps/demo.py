@@ -49,7 +49,11 @@ class Run:
     finished: list[float] = field(default_factory=list)  # wall time each step was acknowledged
     acked: dict[int, int] = field(default_factory=dict)  # worker -> steps it saw acknowledged
     kills: list[Kill] = field(default_factory=list)
-    seconds: float = 0.0  # from starting the workers to their last step
+
+    @property
+    def seconds(self) -> float:
+        """From the first acknowledged step to the last (worker start-up left out)."""
+        return self.finished[-1] - self.finished[0] if self.finished else 0.0
 
 
 class Killer:
@@ -103,8 +107,7 @@ def _train(cluster: LocalCluster, cfg: TrainConfig, total: int, deadline_s: floa
     for p in procs:
         p.start()
     run, killer = Run(), Killer(cluster, total)
-    began = time.monotonic()
-    deadline = began + deadline_s
+    deadline = time.monotonic() + deadline_s
     try:
         while len(run.acked) < cfg.workers or not killer.finished:
             if time.monotonic() > deadline:
@@ -120,7 +123,6 @@ def _train(cluster: LocalCluster, cfg: TrainConfig, total: int, deadline_s: floa
                 _on_step(run, msg, total)
             else:
                 run.acked[msg[1]] = msg[2]
-                run.seconds = time.monotonic() - began
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -93,12 +93,15 @@ def test_sync_wrapper_creates_if_absent_and_a_second_worker_pulls_the_first_ones
         pm2 = SyncPSModule(second, ps, prefix="sync/", optimizer=kc.SGD(lr=LR))
         pm2.pull()  # same definition: a no-op create, then the first worker's values
         assert_same_params(second, first)
+        ps.create("sync/steps", np.zeros(1, np.float32))
         for x, y in data:
             pm1.pull()
             nn.functional.cross_entropy(first(x), y).backward()
-            pm1.push()
+            versions = pm1.push(extra={"sync/steps": np.ones(1, np.float32)})  # in the same call
         pm2.pull()
+        steps = ps.pull("sync/steps")["sync/steps"]
     assert_same_params(second, ref)
+    assert steps.tolist() == [len(data)] and versions["sync/steps"] == len(data)
 
 
 class Gate(torch.autograd.Function):
