@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import kvps_client as kc
 from kvps.config import RaftConfig, ServerConfig
 from kvps.local import wait_until
 from kvps.process import spawn, stop_process
@@ -27,7 +26,6 @@ from kvps_chaos.cluster import ChaosCluster
 from kvps_chaos.faults import ALL_FAULTS, NETNS_ONLY, FaultContext, FaultRecord, run_schedule
 from kvps_chaos.progress import Progress
 from kvps_chaos.report import build_report, write_report
-from kvps_chaos.training import LR, initial_params
 from kvps_chaos.workloads import Workloads
 
 __all__ = ["ChaosOptions", "run_chaos"]
@@ -144,7 +142,6 @@ async def _run(state: RunState, cluster: ChaosCluster) -> dict[str, Any]:
                    counter_clients=opts.counter_clients, register_clients=opts.register_clients,
                    op_timeout=opts.op_timeout, register_reads=opts.register_reads)
     await wl.setup()
-    await _create_training(cluster, opts.seed)
     trainers: list[subprocess.Popen] = []
     try:
         trainers = _start_trainers(cluster, opts)
@@ -197,12 +194,6 @@ def _log(state: RunState, progress: Progress, line: str) -> None:
     stamp = time.monotonic() - state.workload_start
     state.log_lines.append(f"{stamp:8.2f}s {line}")
     progress.event(line)
-
-
-async def _create_training(cluster: ChaosCluster, seed: int) -> None:
-    async with kc.Client(cluster.endpoints, token=cluster.token, timeout=60, seed=seed) as ps:
-        for key, value in initial_params(seed).items():
-            await ps.create(key, value, optimizer=kc.SGD(lr=LR))
 
 
 def _start_trainers(cluster: ChaosCluster, opts: ChaosOptions) -> list[subprocess.Popen]:

@@ -1,10 +1,11 @@
 """The training workload: worker processes training a small PyTorch MLP through kvps.
 
-Each step pulls every parameter, computes the cross-entropy gradient of a minibatch with torch, and
-pushes it (the shard leaders apply SGD). The data is a seeded synthetic classification task (labels
-from a fixed random "teacher" network), so the loss must fall whatever faults happen. Each step
-appends one JSON line to the worker's log: times, outcome, minibatch loss and, every few steps, the
-loss on the worker's whole data shard. SIGTERM ends the worker after the current step.
+Each worker wraps its model in ``kvps_client.torch.PSModule``: every step pulls the parameters into
+the module, runs forward and backward with torch on a minibatch, and pushes the gradients (the shard
+leaders apply SGD). The data is a seeded synthetic classification task (labels from a fixed random
+"teacher"), so the loss must fall whatever faults happen. Each step appends one JSON line to the
+worker's log: times, outcome, minibatch loss, the version the push returned and, every few steps,
+the loss on the worker's whole data shard. SIGTERM ends the worker after the current step.
 
     python -m kvps_chaos.training --endpoints URL,... --token-file F --rank 0 --workers 2 \
         --seed 7 --out train-0.jsonl
@@ -18,21 +19,12 @@ import signal
 import sys
 import time
 
-import numpy as np
-
-__all__ = ["PARAMS", "initial_params", "main"]
+__all__ = ["PREFIX", "main"]
 
 FEATURES, HIDDEN, CLASSES, ROWS = 32, 64, 8, 4096
-PARAMS = {"train/w1": (FEATURES, HIDDEN), "train/b1": (HIDDEN,),
-          "train/w2": (HIDDEN, CLASSES), "train/b2": (CLASSES,)}
+PREFIX = "train/"   # keys: train/0.weight, train/0.bias, train/2.weight, train/2.bias
 LR = 0.2
 EVAL_EVERY = 10
-
-
-def initial_params(seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {k: (rng.standard_normal(shape) * (0.3 if len(shape) > 1 else 0.0)).astype(np.float32)
-            for k, shape in PARAMS.items()}
 
 
 def _data(seed: int):
@@ -44,48 +36,54 @@ def _data(seed: int):
     return X, y
 
 
-def _loss(params: dict, X, y):
-    import torch.nn.functional as F
-    h = F.relu(X @ params["train/w1"] + params["train/b1"])           # (batch, hidden)
-    return F.cross_entropy(h @ params["train/w2"] + params["train/b2"], y)
+def _model(seed: int):
+    from torch import nn
+    import torch
+    torch.manual_seed(seed)  # every worker builds the same initial model ("create if absent")
+    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
 
 
 async def train(args: argparse.Namespace, stop: asyncio.Event) -> None:
     import torch
+    import torch.nn.functional as F
 
     import kvps_client as kc
     from kvps.errors import KvpsError
+    from kvps_client.torch import PSModule
 
     torch.set_num_threads(1)  # two cores shared by a whole cluster: one thread per worker
     X, y = _data(args.seed)
     part = slice(args.rank * ROWS // args.workers, (args.rank + 1) * ROWS // args.workers)
     X, y = X[part], y[part]
     gen = torch.Generator().manual_seed(args.seed * 31 + args.rank)
+    model = _model(args.seed)
     token = open(args.token_file).read().split()[0]
     out = open(args.out, "a", buffering=1)
     async with kc.Client(args.endpoints.split(","), token=token, timeout=args.op_timeout,
                          request_timeout=2.0, seed=args.seed * 17 + args.rank,
                          client_id=f"train{args.rank}-{args.seed}") as ps:
+        pm = PSModule(model, ps, prefix=PREFIX, optimizer=kc.SGD(lr=LR))
         step = 0
         while not stop.is_set():
             rec: dict = {"step": step, "t0": time.monotonic()}
             try:
-                values = await ps.pull(list(PARAMS))
-                params = {k: torch.from_numpy(v).requires_grad_() for k, v in values.items()}
+                await pm.pull()
+                model.zero_grad(set_to_none=True)  # a failed push leaves its gradients behind
                 idx = torch.randint(0, len(y), (64,), generator=gen)
-                loss = _loss(params, X[idx], y[idx])
+                loss = F.cross_entropy(model(X[idx]), y[idx])
                 loss.backward()
-                versions = await ps.push({k: p.grad.numpy() for k, p in params.items()})
-                rec.update(ok=True, loss=float(loss), version=max(versions.values()))
+                versions = await pm.push()
+                rec.update(ok=True, loss=loss.item(), version=max(versions.values()))
                 if step % EVAL_EVERY == 0:
                     with torch.no_grad():
-                        rec["eval"] = float(_loss({k: p.detach() for k, p in params.items()}, X, y))
+                        rec["eval"] = float(F.cross_entropy(model(X), y))
             except KvpsError as exc:
                 rec.update(ok=False, error=type(exc).__name__)
             rec["t1"] = time.monotonic()
             out.write(json.dumps(rec) + "\n")
             step += 1
             await asyncio.sleep(args.pause)
+        await pm.close()
 
 
 def main(argv: list[str] | None = None) -> int:
