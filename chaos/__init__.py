@@ -5,10 +5,11 @@
     assert report["ok"], report["failures"]
 
 ``kvps chaos`` is the command-line front end (``kvps_chaos.cli``); ``kvps_chaos.linearizability``
-is the history checker, usable on its own.
+is the history checker, usable on its own. Names are imported on first use, so the helper
+processes (``python -m kvps_chaos.proxy``, ``python -m kvps_chaos.training``) load only what they need.
 """
-from kvps_chaos.linearizability import UNKNOWN, CheckResult, Operation, RegisterModel, check, check_per_key
-from kvps_chaos.runner import ChaosOptions, run_chaos
+from importlib import import_module
+from typing import Any
 
 __all__ = [
     "UNKNOWN",
@@ -20,3 +21,11 @@ __all__ = [
     "check_per_key",
     "run_chaos",
 ]
+
+_HOME = {"ChaosOptions": "runner", "run_chaos": "runner"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module 'kvps_chaos' has no attribute {name!r}")
+    return getattr(import_module(f"kvps_chaos.{_HOME.get(name, 'linearizability')}"), name)
