@@ -113,3 +113,23 @@ def test_bad_lossy_specs_are_refused():
     for spec in ("fp8", "topk:0", "topk:2", "topk:x"):
         with pytest.raises(InvalidRequest):
             LossyEncoder(spec)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 9)), max_size=12), max_size=8))
+def test_row_cache_matches_a_dict_reference(batches):
+    """The fast path (sorted arrays, searchsorted) agrees with a plain dict model."""
+    cache, model = RowCache(3, np.dtype(np.float32)), {}
+    for batch in batches:
+        latest = dict(batch)                                  # one version per id in a batch
+        ids = np.array(sorted(latest), dtype=np.int64)
+        versions = np.array([latest[i] for i in ids], dtype=np.int64)
+        values = np.repeat(versions[:, None], 3, axis=1).astype(np.float32) + ids[:, None]
+        cache.update(ids, versions, values)
+        model.update({int(i): int(v) for i, v in zip(ids, versions)})
+        probe = np.arange(0, 42, dtype=np.int64)
+        assert cache.have(probe).tolist() == [model.get(int(i), -1) for i in probe]
+        held = np.array(sorted(model), dtype=np.int64)
+        if len(held):
+            rows = cache.rows(held)
+            assert rows[:, 0].tolist() == [model[int(i)] + int(i) for i in held]
