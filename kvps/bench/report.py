@@ -185,7 +185,7 @@ def _b3_md(b3: dict) -> list[str]:
 def _b4_md(b4: dict) -> list[str]:
     rows = ["## B4 — pulls: full vs incremental", "",
             f"Model {b4['tensors']} tensors, {b4['model_bytes'] / MB:.0f} MB; median of {b4['repeats']}. "
-            + b4["note"] + ".", "",
+            "Measured: " + b4["note"] + ".", "",
             "| case | tensors changed | bytes received | of full | time ms |", "|---|---:|---:|---:|---:|"]
     for case, c in b4["cases"].items():
         rows.append(f"| {case} | {c['changed_tensors']} | {c['bytes']:,} | {_f(c['fraction_of_full_bytes'], 3)} | "
