@@ -17,12 +17,15 @@ import signal
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from kvps.digits import COUNTER, PREFIX, TrainConfig, accuracy, baseline, load, make_model, train_worker
+from kvps.digits import (
+    COUNTER, PREFIX, Data, TrainConfig, accuracy, baseline, load, make_model, train_worker,
+)
 from kvps.local import LocalCluster, wait_until
 
 __all__ = ["main"]
@@ -99,36 +102,61 @@ class Killer:
         return not self.plan and self.current is None
 
 
-def _train(cluster: LocalCluster, cfg: TrainConfig, total: int, deadline_s: float) -> Run:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=train_worker, args=(r, cfg, cluster.endpoints, cluster.token, out),
-                         daemon=True) for r in range(cfg.workers)]
-    for p in procs:
-        p.start()
-    run, killer = Run(), Killer(cluster, total)
-    deadline = time.monotonic() + deadline_s
-    try:
-        while len(run.acked) < cfg.workers or not killer.finished:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"training did not finish within {deadline_s:.0f} s")
-            if any(p.exitcode not in (None, 0) for p in procs):
-                raise RuntimeError("a worker process failed (its traceback is above)")
-            killer.poll(run, len(run.losses))
-            try:
-                msg = out.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if msg[0] == "step":
-                _on_step(run, msg, total)
-            else:
-                run.acked[msg[1]] = msg[2]
-    finally:
-        for p in procs:
+class Workers:
+    """The worker processes, started early: they import torch and load the data while the
+    cluster elects its leaders, and begin training on ``go()``. Leaving the ``with`` block ends
+    any that are still running."""
+
+    def __init__(self, cluster: LocalCluster, cfg: TrainConfig, data: Data) -> None:
+        # Arguments travel through a pipe the parent blocks on until a child has imported torch,
+        # so the data goes through a file: the children then start in parallel.
+        train_npz = cluster.data_dir / "digits-train.npz"
+        np.savez(train_npz, X=data[0], y=data[1])
+        ctx = mp.get_context("spawn")
+        self.out = ctx.Queue()
+        self._go = ctx.Event()
+        self.procs = [ctx.Process(target=train_worker, daemon=True,
+                                  args=(r, cfg, str(train_npz), cluster.endpoints, cluster.token, self.out,
+                                        self._go))
+                      for r in range(cfg.workers)]
+        for p in self.procs:
+            p.start()
+
+    def go(self) -> None:
+        self._go.set()
+
+    def failed(self) -> bool:
+        return any(p.exitcode not in (None, 0) for p in self.procs)
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def _train(cluster: LocalCluster, workers: Workers, cfg: TrainConfig, total: int, deadline_s: float) -> Run:
+    workers.go()
+    run, killer = Run(), Killer(cluster, total)
+    deadline = time.monotonic() + deadline_s
+    while len(run.acked) < cfg.workers or not killer.finished:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"training did not finish within {deadline_s:.0f} s")
+        if workers.failed():
+            raise RuntimeError("a worker process failed (its traceback is above)")
+        killer.poll(run, len(run.losses))
+        try:
+            msg = workers.out.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        if msg[0] == "step":
+            _on_step(run, msg, total)
+        else:
+            run.acked[msg[1]] = msg[2]
     return run
 
 
@@ -144,12 +172,12 @@ def _on_step(run: Run, msg: tuple, total: int) -> None:
         print(f"  {n:5d}/{total} steps   loss {np.mean(run.losses[-45:]):.4f}", flush=True)
 
 
-def _final_state(cluster: LocalCluster, cfg: TrainConfig) -> tuple[int, dict[str, int], float]:
+def _final_state(cluster: LocalCluster, cfg: TrainConfig, data: Data) -> tuple[int, dict[str, int], float]:
     """(counter, {key: version}, test accuracy of the parameters on the server)."""
     import kvps_client as kc
     from kvps_client.torch import SyncPSModule
 
-    _, _, Xte, yte = load(cfg.seed)
+    _, _, Xte, yte = data
     model = make_model(cfg.seed + 1)  # other weights: the server's must overwrite them
     with kc.SyncClient(cluster.endpoints, token=cluster.token, seed=cfg.seed) as ps:
         counter, _ = ps.get(COUNTER, consistency="linearizable")
@@ -197,24 +225,28 @@ def main(out: Path = Path("demo-out"), seed: int = 0, quick: bool = False,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    n_train = len(load(seed)[1])
-    total = cfg.total_steps(n_train)
+    data = load(seed)
+    total = cfg.total_steps(len(data[1]))
     print(f"training an MLP 64-128-10 on scikit-learn digits: {cfg.workers} workers, {cfg.epochs} epochs, "
           f"batch {cfg.batch}, plain SGD lr {cfg.lr}, "
           f"{'asynchronous' if staleness is None else f'bounded staleness {staleness}'}", flush=True)
-    base_acc, base_losses = baseline(cfg)
+    base_acc, base_losses = baseline(cfg, data)
     print(f"baseline (one process, no kvps, no faults): {base_acc:.1f} % test accuracy", flush=True)
     with tempfile.TemporaryDirectory(prefix="kvps-demo-") as tmp, \
-            LocalCluster(Path(tmp), nodes=3, shards=shards) as cluster:
+            LocalCluster(Path(tmp), nodes=3, shards=shards) as cluster, \
+            Workers(cluster, cfg, data) as workers:
         print(cluster.describe(), flush=True)
         cluster.start(timeout=120)
         import kvps_client as kc
         with kc.SyncClient(cluster.endpoints, token=cluster.token, seed=seed) as ps:
             ps.create(COUNTER, np.zeros(1, np.float64))
-        run = _train(cluster, cfg, total, deadline_s=60 if quick else 240)
+        run = _train(cluster, workers, cfg, total, deadline_s=60 if quick else 240)
         wait_until(cluster.ready, 60, "every shard to serve")
-        counter, versions, acc = _final_state(cluster, cfg)
+        counter, versions, acc = _final_state(cluster, cfg, data)
         print("stopping the cluster ...", flush=True)
+        # In parallel: each node takes seconds to stop its replicas (the exit stops any left).
+        with ThreadPoolExecutor(len(cluster.cfg.nodes)) as pool:
+            list(pool.map(cluster.stop_node, [n.id for n in cluster.cfg.nodes]))
     summary = _summary(cfg, run, counter, versions, acc, base_acc, quick, time.monotonic() - started)
     _plot(out / "loss.png", run, base_losses, window=45 if not quick else 15)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

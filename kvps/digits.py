@@ -12,6 +12,7 @@ import multiprocessing as mp
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +38,10 @@ class TrainConfig:
         return sum(1 for r in range(self.workers) for _ in batches(n_train, self, r, self.workers))
 
 
-def load(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+Data = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # X_train, y_train, X_test, y_test
+
+
+def load(seed: int) -> Data:
     """(X_train, y_train, X_test, y_test): an 80/20 stratified split, pixels scaled to [0, 1]."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -69,10 +73,10 @@ def accuracy(model: nn.Module, X: np.ndarray, y: np.ndarray) -> float:
         return float((model(torch.from_numpy(X)).argmax(1).numpy() == y).mean() * 100)
 
 
-def baseline(cfg: TrainConfig) -> tuple[float, list[float]]:
+def baseline(cfg: TrainConfig, data: Data) -> tuple[float, list[float]]:
     """One process, no parameter server, no faults: (test accuracy %, loss per step)."""
     torch.set_num_threads(1)
-    Xtr, ytr, Xte, yte = load(cfg.seed)
+    Xtr, ytr, Xte, yte = data
     model = make_model(cfg.seed)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     X, y = torch.from_numpy(Xtr), torch.from_numpy(ytr)
@@ -86,18 +90,23 @@ def baseline(cfg: TrainConfig) -> tuple[float, list[float]]:
     return accuracy(model, Xte, yte), losses
 
 
-def train_worker(rank: int, cfg: TrainConfig, endpoints: list[str], token: str, out: mp.Queue) -> None:
-    """A worker process: pull, forward, backward, push through ``SyncPSModule``; then +1 on the
-    exactly-once counter. Reports ("step", rank, loss, started, finished) per acknowledged step."""
+def train_worker(rank: int, cfg: TrainConfig, train_npz: str, endpoints: list[str], token: str,
+                 out: mp.Queue, go: Any) -> None:
+    """A worker process: once ``go`` is set, pull, forward, backward, push through
+    ``SyncPSModule`` (+1 on the exactly-once counter in the same call). Reports
+    ("step", rank, loss, started, finished) per acknowledged step, then ("done", rank, steps)."""
     import kvps_client as kc
     from kvps_client.torch import SyncPSModule
 
     torch.set_num_threads(1)  # a whole cluster shares the cores: one thread per worker
-    Xtr, ytr, _, _ = load(cfg.seed)
+    with np.load(train_npz) as f:  # saved by the parent: importing scikit-learn here costs seconds
+        Xtr, ytr = f["X"], f["y"]
     X, y = torch.from_numpy(Xtr), torch.from_numpy(ytr)
     model = make_model(cfg.seed)
     one = np.ones(1, np.float64)
     acked = 0
+    if not go.wait(timeout=300):  # the cluster never came up: the demo has given up already
+        return
     with kc.SyncClient(endpoints, token=token, seed=cfg.seed * 10 + rank, timeout=120) as ps:
         pm = SyncPSModule(model, ps, prefix=PREFIX, optimizer=kc.SGD(lr=cfg.lr),
                           max_staleness=cfg.staleness, job="demo", worker=f"worker-{rank}",
