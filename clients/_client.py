@@ -27,7 +27,7 @@ import numpy as np
 from kvps.delta import frame
 from kvps.history import apply_xor
 from kvps.errors import (
-    CodecError, InvalidRequest, KvpsError, NotLeader, RetryableError, ShapeMismatch, Timeout,
+    CodecError, InvalidRequest, KeyNotFound, KvpsError, NotLeader, RetryableError, ShapeMismatch, Timeout,
     Unavailable, error_from_dict,
 )
 from kvps.initializer import Zeros, initializer_to_dict
@@ -497,6 +497,84 @@ class Client:
         """The live clocks of ``job``: ``{worker: completed steps}``, expired workers left out."""
         resp = await self._call(self._clock_shard(job), "clocks", {"job": job})
         return resp.meta["clocks"]
+
+
+    # ---- whole-model transfer (export / import) -----------------------------------------------
+
+    async def stored_rows(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids sorted, rows) of every row of table ``key`` that has been written."""
+        resps = await self._fan_out([self._call(s, "stored_rows", {"key": key})
+                                     for s in range(self.cluster_map.shards)])
+        info = await self.describe(key)
+        ids = np.concatenate([r.arrays[r.meta["ids"]] for r in resps] or [np.empty(0, np.int64)])
+        rows = np.concatenate([r.arrays[r.meta["rows"]] for r in resps]
+                              or [np.empty((0, info["dim"]), np.dtype(info["dtype"]))])
+        order = np.argsort(ids, kind="stable")
+        return ids[order], rows[order]
+
+    async def state_dict(self, keys: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        """Every key as arrays: a dense key under its name; a table as ``name`` (its written rows)
+        and ``name + ".ids"`` (their ids, int64). Each key is read consistently on its own; keys
+        are not read at one instant across shards."""
+        infos = {i["key"]: i for i in await self.keys()}
+        wanted = sorted(infos) if keys is None else list(keys)
+        dense = [k for k in wanted if infos.get(k, {}).get("kind") == "dense"]
+        out: dict[str, np.ndarray] = dict(await self.pull(dense)) if dense else {}
+        for key in wanted:
+            if key not in infos:
+                raise KeyNotFound(f"no key {key!r}", key=key)
+            if infos[key]["kind"] == "table":
+                ids, rows = await self.stored_rows(key)
+                out[key], out[key + ".ids"] = rows, ids
+        return out
+
+    async def load_state_dict(self, state: Mapping[str, Any], *, optimizer: Any = None,
+                              tables: Mapping[str, int] | None = None) -> list[str]:
+        """Write ``state`` (as from :meth:`state_dict`): existing dense keys are overwritten with
+        ``set``; missing ones are created with ``optimizer`` (default ``Add``). A pair ``name`` /
+        ``name.ids`` is a table: missing tables are created (Zeros initializer), and the rows are
+        written exactly with ``set_rows``; rows not in the file keep the table's initializer.
+        Returns the keys written."""
+        infos = {i["key"]: i for i in await self.keys()}
+        written = []
+        for key, value in state.items():
+            if key.endswith(".ids") and key[:-4] in state:
+                continue
+            arr = np.ascontiguousarray(to_numpy(value, name=key))
+            if key + ".ids" in state:
+                await self._load_table(key, arr, to_numpy(state[key + ".ids"], name=key), infos, optimizer)
+            elif key in infos:
+                await self.set(key, arr)
+            else:
+                await self.create(key, arr, optimizer=optimizer)
+            written.append(key)
+        return written
+
+    async def _load_table(self, key: str, rows: np.ndarray, ids: np.ndarray, infos: dict,
+                          optimizer: Any) -> None:
+        if key not in infos:
+            await self.create_table(key, rows.shape[1], dtype=rows.dtype.name, optimizer=optimizer)
+        await self.set_rows(key, ids, rows)
+
+    async def set_rows(self, key: str, ids: Any, values: Any) -> None:
+        """Overwrite rows of table ``key`` exactly (created if missing; optimizer state kept)."""
+        info = await self.describe(key)
+        ids = np.asarray(to_numpy(ids, name="ids"), dtype=np.int64).ravel()
+        values = np.ascontiguousarray(to_numpy(values, name=key))
+        _check_shape(key, values, (len(ids), info["dim"]), info["dtype"])
+        unique, first = np.unique(ids[::-1], return_index=True)    # the last write of an id wins
+        values = values[::-1][first]
+        shards = row_shards(key, unique, self.cluster_map.shards)
+        per_request = max(1, self.cluster_map.max_push_bytes // max(1, values.itemsize * info["dim"] + 8))
+        calls = []
+        for s in np.unique(shards):
+            idx = np.flatnonzero(shards == s)
+            for start in range(0, len(idx), per_request):
+                part = idx[start:start + per_request]
+                calls.append(self._call(int(s), "set_rows", {"key": key, "ids": 0, "rows": 1},
+                                        [unique[part], values[part]]))
+        await self._fan_out(calls)
+        self._rows.pop(key, None)
 
 
 class _DenseCache:

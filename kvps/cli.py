@@ -175,6 +175,40 @@ def format_status(cmap: dict) -> str:
     return "\n".join(lines)
 
 
+async def _export(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvps_client import Client
+    async with Client([args.endpoint], token=args.token, ssl=args.cafile) as ps:
+        state = await ps.state_dict()
+    tensors = {k: torch.from_numpy(v.copy()) for k, v in state.items()}
+    tmp = Path(args.path + ".tmp")
+    torch.save(tensors, tmp)
+    os.replace(tmp, args.path)  # never a half-written file under the final name
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"exported {len(tensors)} tensors ({total / 2**20:.1f} MiB) to {args.path}")
+    return 0
+
+
+async def _import(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvps.optimizer import optimizer_from_dict
+    from kvps_client import Client
+    try:
+        state = torch.load(args.path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # torch raises many types for a bad file: one line, non-zero exit
+        raise KvpsError(f"cannot read {args.path}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise KvpsError(f"{args.path} is not a {{name: tensor}} state_dict")
+    optimizer = optimizer_from_dict(json.loads(args.optimizer)) if args.optimizer else None
+    async with Client([args.endpoint], token=args.token, ssl=args.cafile) as ps:
+        written = await ps.load_state_dict({k: v.detach().cpu().numpy() for k, v in state.items()},
+                                           optimizer=optimizer)
+    print(f"imported {len(written)} keys from {args.path}")
+    return 0
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     cmap = _get_json(args.endpoint.rstrip("/") + "/v1/cluster", cafile=args.cafile)
     print(json.dumps(cmap, indent=2) if args.json else format_status(cmap))
@@ -215,6 +249,17 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.add_argument("--cafile", default=os.environ.get("KVPS_CAFILE"),
                     help="CA certificate to verify an https endpoint (default $KVPS_CAFILE)")
+
+    for name, text in (("export", "write every key to a PyTorch file (torch.load(path, weights_only=True))"),
+                       ("import", "write the tensors of a PyTorch state_dict file into the cluster")):
+        sp = sub.add_parser(name, help=text)
+        sp.add_argument("path")
+        sp.add_argument("--endpoint", default=os.environ.get("KVPS_ENDPOINT", DEFAULT_ENDPOINT))
+        sp.add_argument("--token", default=os.environ.get("KVPS_TOKEN"))
+        sp.add_argument("--cafile", default=os.environ.get("KVPS_CAFILE"))
+        if name == "import":
+            sp.add_argument("--optimizer", help='for keys it creates, e.g. \'{"name": "sgd", "lr": 0.1}\' '
+                                                "(default: add)")
 
     # Subcommands implemented in their own packages; they parse their own arguments.
     chaos = sub.add_parser("chaos", help="fault injection under training, with checks and a report",
@@ -274,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_up(args)
         elif args.command == "status":
             return _cmd_status(args)
+        elif args.command == "export":
+            return asyncio.run(_export(args))
+        elif args.command == "import":
+            return asyncio.run(_import(args))
         elif args.command == "chaos":
             from kvps_chaos.cli import main as chaos_main
             return chaos_main(args.args)
@@ -285,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
             return demo_main(out=Path(args.out), seed=args.seed, quick=args.quick,
                              staleness=args.staleness)
     except KvpsError as exc:
-        print(f"kvps {args.command}: {exc.message}", file=sys.stderr)
+        one_line = " ".join(exc.message.split())  # the contract: one clear line on stderr
+        print(f"kvps {args.command}: {one_line[:500]}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

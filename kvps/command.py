@@ -27,6 +27,7 @@ from kvps.placement import VALUE_DTYPES, DenseLayout
 __all__ = [
     "Barrier",
     "ClockTick",
+    "SetRows",
     "Command",
     "CreateKey",
     "CreateTable",
@@ -376,7 +377,29 @@ class ClockTick(_Base):
                         "step": self.step, "lease_s": self.lease_s})
 
 
-Command = Union[CreateKey, CreateTable, DeleteKey, Push, Set, Barrier, ClockTick]
+@dataclass(frozen=True, eq=False)
+class SetRows(_Base):
+    """Overwrite rows ``ids`` (sorted, unique) of table ``key`` with ``values`` (import): rows are
+    created if missing, their optimizer state and step count are kept, versions grow by one."""
+
+    key: str
+    ids: np.ndarray     # (n,) int64
+    values: np.ndarray  # (n, dim)
+
+    def __post_init__(self) -> None:
+        _str(self.key, "key", MAX_KEY_CHARS)
+        if not isinstance(self.ids, np.ndarray) or self.ids.dtype != np.int64 or self.ids.ndim != 1:
+            raise _bad("ids", "a 1-d int64 array")
+        if len(self.ids) > 1 and not bool(np.all(np.diff(self.ids) > 0)):
+            raise _bad("ids", "sorted and unique")
+        if not isinstance(self.values, np.ndarray) or self.values.ndim != 2 or len(self.values) != len(self.ids):
+            raise _bad("values", "a (len(ids), dim) array")
+
+    def to_bytes(self) -> bytes:
+        return _encode({"type": "set_rows", "key": self.key}, [self.ids, self.values])
+
+
+Command = Union[CreateKey, CreateTable, DeleteKey, Push, Set, Barrier, ClockTick, SetRows]
 
 
 # ---- encoding -----------------------------------------------------------------------------------
@@ -427,6 +450,10 @@ def _decode(m: dict, arrays: tuple) -> Any:
     if kind == "set":
         return Set(m["now"], m["client"], m["seq"], m["floor"], m["key"], _decode_blocks(m, arrays),
                    m["expected_version"])
+    if kind == "set_rows":
+        if len(arrays) != 2:
+            raise InvalidRequest("set_rows carries ids and values")
+        return SetRows(m["key"], arrays[0], arrays[1])
     if arrays:
         raise InvalidRequest(f"a {kind!r} command carries no arrays")
     if kind == "create_table":

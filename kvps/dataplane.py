@@ -19,7 +19,7 @@ import numpy as np
 from aiohttp import web
 
 from kvps.auth import TokenStore
-from kvps.command import ClockTick, CreateKey, CreateTable, DeleteKey, Set
+from kvps.command import ClockTick, CreateKey, CreateTable, DeleteKey, Set, SetRows
 from kvps.delta import frame
 from kvps.errors import InvalidRequest, KvpsError, RequestTooLarge, Timeout
 from kvps.history import xor_delta
@@ -287,6 +287,21 @@ async def _pull_rows(replica: Replica, req: frame.Frame):
             ["shuffle-lz4", "shuffle-lz4", "none"])
 
 
+async def _stored_rows(replica: Replica, req: frame.Frame):
+    """Every written row of a table on this shard (for export)."""
+    key = _key(req.meta)
+    await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
+    ids, values = replica.stored_rows(key)
+    replica.count_pull(values.nbytes)
+    return {"ids": 0, "rows": 1}, (ids, values)
+
+
+async def _set_rows(replica: Replica, req: frame.Frame):
+    cmd = SetRows(key=_key(req.meta), ids=_array(req, req.meta.get("ids")),
+                  values=_array(req, req.meta.get("rows")))
+    return await replica.write(cmd), ()
+
+
 async def _create_key(replica: Replica, req: frame.Frame):
     m = req.meta
     shape = _field(m, "shape", list)
@@ -347,6 +362,8 @@ HANDLERS: dict[str, Handler] = {
     "push": _push,
     "pull": _pull,
     "pull_rows": _pull_rows,
+    "stored_rows": _stored_rows,
+    "set_rows": _set_rows,
     "create_key": _create_key,
     "create_table": _create_table,
     "delete_key": _delete_key,

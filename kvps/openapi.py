@@ -106,7 +106,7 @@ DATA_PATHS: dict[str, dict[str, Any]] = {
         "summary": "Data-plane operation on one shard replica (binary kvps frames, see docs/architecture.md)",
         "security": _BEARER,
         "parameters": [{"name": "op", "in": "path", "required": True, "schema": {"enum": [
-            "push", "pull", "pull_rows", "create_key", "create_table", "delete_key", "set",
+            "push", "pull", "pull_rows", "stored_rows", "set_rows", "create_key", "create_table", "delete_key", "set",
             "describe", "keys", "state_hash", "clock_tick", "clocks"]}}],
         "requestBody": {"required": True, "content": {"application/x-kvps-frame": {"schema": _str}}},
         "responses": {"200": {"description": "response frame",

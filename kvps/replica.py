@@ -23,7 +23,7 @@ import numpy as np
 
 from kvps.batcher import PushBatcher
 from kvps.command import (
-    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Push, Set, decode_command,
+    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Push, Set, SetRows, decode_command,
 )
 from kvps.config import ClusterConfig
 from kvps.errors import (
@@ -141,6 +141,10 @@ class Replica:
         """Block ``version`` of ``key`` if this replica still remembers it."""
         with self._lock:
             return self._history.get(key, block, version)
+
+    def stored_rows(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        with self._lock:
+            return self._state.stored_rows(key)
 
     def row_versions(self, key: str, ids: np.ndarray) -> np.ndarray:
         with self._lock:
@@ -299,7 +303,7 @@ class Replica:
                 return _unwrap(done)
             if err is not None:
                 raise err
-        elif not isinstance(cmd, (CreateKey, CreateTable, DeleteKey, ClockTick)):
+        elif not isinstance(cmd, (CreateKey, CreateTable, DeleteKey, ClockTick, SetRows)):
             raise InvalidRequest(f"not a write command: {type(cmd).__name__}")
         return _unwrap(await self._propose(cmd.to_bytes()))
 

@@ -21,7 +21,7 @@ import numpy as np
 from kvps.applied import AppliedTable, Result
 from kvps.clocks import ClockTable
 from kvps.command import (
-    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Push, PushId, Set,
+    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Push, PushId, Set, SetRows,
 )
 from kvps.delta import frame
 from kvps.errors import (
@@ -194,6 +194,16 @@ class ShardState:
     def _barrier(self, cmd: Barrier) -> dict:
         return {"barrier": cmd.term}
 
+    def _set_rows(self, cmd: SetRows) -> dict:
+        table = self._entry(cmd.key, "table")
+        if cmd.values.shape[1] != table.dim or cmd.values.dtype != table.dtype:  # type: ignore[union-attr]
+            raise ShapeMismatch(f"rows for {cmd.key!r} must be (n, {table.dim}) {table.dtype}",  # type: ignore[union-attr]
+                                key=cmd.key)
+        if not bool(np.isfinite(cmd.values).all()):
+            raise InvalidRequest("row values contain NaN or Inf", key=cmd.key)
+        table.commit(table.plan_set(cmd.ids, cmd.values))  # type: ignore[union-attr]
+        return {"rows": len(cmd.ids)}
+
     def _clock_tick(self, cmd: ClockTick) -> dict:
         return {"clocks": self._clocks.tick(cmd.now, cmd.job, cmd.worker, cmd.step, cmd.lease_s)}
 
@@ -345,6 +355,12 @@ class ShardState:
             raise InvalidRequest("row ids must be a 1-d integer array", key=key)
         return table.read(ids.astype(np.int64))
 
+    def stored_rows(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids sorted, values) of every row of table ``key`` that has been written (copies)."""
+        table: Table = self._entry(key, "table")  # type: ignore[assignment]
+        order = np.argsort(table.ids[:table.n], kind="stable")
+        return table.ids[order], table.values[order]
+
     def row_versions(self, key: str, ids: np.ndarray) -> np.ndarray:
         """(n,) int64 versions of rows ``ids`` (0 for untouched rows), without reading values."""
         table: Table = self._entry(key, "table")  # type: ignore[assignment]
@@ -480,4 +496,5 @@ _HANDLERS = {
     Set: ShardState._set,
     Barrier: ShardState._barrier,
     ClockTick: ShardState._clock_tick,
+    SetRows: ShardState._set_rows,
 }

@@ -126,6 +126,23 @@ class Table:
         return RowUpdate(ids, slots, new_values.astype(self.dtype, copy=False), new_state,
                          versions + counts, steps + 1)
 
+    def plan_set(self, ids: np.ndarray, values: np.ndarray) -> RowUpdate:
+        """Rows ``ids`` set to ``values`` (optimizer state and steps kept; new rows start fresh)."""
+        slots = self.slots_of(ids)
+        stored = slots >= 0
+        picked = slots[stored]
+        fresh_state = self.optimizer.init_state(values[~stored])
+        state = {}
+        for name in self.optimizer.state_names():
+            rows = np.empty((len(ids), self.dim), dtype=self.dtype)  # (n, dim)
+            rows[stored], rows[~stored] = self.state[name][picked], fresh_state[name]
+            state[name] = rows
+        steps = np.zeros(len(ids), dtype=np.int64)
+        steps[stored] = self.steps[picked]
+        versions = np.zeros(len(ids), dtype=np.int64)
+        versions[stored] = self.versions[picked]
+        return RowUpdate(ids, slots, values.astype(self.dtype), state, versions + 1, steps)
+
     def commit(self, update: RowUpdate) -> None:
         slots = update.slots.copy()
         new = np.flatnonzero(slots < 0)
