@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import time
 
 import pytest
@@ -18,6 +19,8 @@ from torch import nn
 
 import kvps_client as kc
 from conftest import dump_logs, make_cluster
+from kvps.local import wait_until
+from kvps.placement import block_shard
 from kvps_client.torch import PSModule
 
 pytestmark = pytest.mark.cluster
@@ -129,3 +132,24 @@ def test_a_dead_workers_lease_ends_and_unblocks_the_others(cluster):
     assert all(e[3] >= last_tick + lease for e in blocked)  # released by the lease's end, not earlier
     assert [pm.steps for pm in pms] == [6, 6, 2]
     assert all(pm.clock.polls > 0 for pm in pms[:2])
+
+
+def test_clocks_survive_a_kill_of_their_shards_leader(cluster):
+    """The clocks are replicated state: a new leader answers with the clocks the old one held."""
+    shard = block_shard("__clock/failover", 0, cluster.cfg.shards)
+
+    async def tick():
+        async with kc.Client(cluster.endpoints, token=cluster.token, seed=0) as ps:
+            await ps.clock_tick("failover", "a", 7, lease_s=120)
+            return await ps.clock_tick("failover", "b", 3, lease_s=120)
+
+    async def read():
+        async with kc.Client(cluster.endpoints, token=cluster.token, seed=0) as ps:
+            return await ps.clocks("failover")
+
+    assert asyncio.run(tick()) == {"a": 7, "b": 3}
+    old = wait_until(lambda: cluster.leader(shard), 30, "a serving leader")
+    cluster.kill_pid(old["pid"], signal.SIGKILL)
+    # A newer term: right after the kill the node's view may pair the restarted pid with the old role.
+    wait_until(lambda: (cluster.leader(shard) or {}).get("term", 0) > old["term"], 30, "a new leader")
+    assert asyncio.run(read()) == {"a": 7, "b": 3}
