@@ -51,6 +51,8 @@ class PushBatcher:
         self._inflight = 0
         self._tasks: set[asyncio.Task] = set()
         self._space = asyncio.Condition()
+        self._timer: asyncio.TimerHandle | None = None
+        self._window_done = False
 
     @property
     def accepted_bytes(self) -> int:
@@ -91,22 +93,44 @@ class PushBatcher:
         self._accepted_bytes += size
 
     def _kick(self) -> None:
+        window = self._cfg.merge_window
+        if (window > 0 and self._inflight == 0 and self._pending and self._timer is None
+                and self._pending_bytes < self._cfg.batch_bytes and not self._window_done):
+            # Idle leader: wait one short window so pushes that arrive together (the workers of
+            # one step) merge into one entry; under load the commit round trip is the window.
+            self._timer = asyncio.get_running_loop().call_later(window, self._window_elapsed)
+            return
+        if self._timer is not None and (self._inflight > 0 or self._pending_bytes >= self._cfg.batch_bytes):
+            self._timer.cancel()
+            self._timer = None
+        if self._timer is not None:
+            return
         while self._pending and self._inflight < self._cfg.max_inflight_proposals:
             batch = self._take_batch()
             self._inflight += 1
             task = asyncio.get_running_loop().create_task(self._run(batch))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+        self._window_done = False
+
+    def _window_elapsed(self) -> None:
+        self._timer = None
+        self._window_done = True
+        self._kick()
 
     def _take_batch(self) -> list[tuple[PushRequest, int]]:
-        batch, size = [], 0
+        """Pending pushes, oldest first, while the *merged* command stays within batch_bytes: a
+        block that several workers pushed is counted once, since merging sums it."""
+        batch, merged, seen = [], 0, set()
         while self._pending:
             req, n = self._pending[0]
-            if batch and size + n > self._cfg.batch_bytes:
+            grows = _merged_growth(req, seen)
+            if batch and merged + grows > self._cfg.batch_bytes:
                 break
             batch.append(self._pending.pop(0))
-            size += n
-        self._pending_bytes -= size
+            self._pending_bytes -= n
+            merged += grows
+            seen.update((key, block) for key, block, _ in req.dense)
         return batch
 
     async def _run(self, batch: list[tuple[PushRequest, int]]) -> None:
@@ -155,6 +179,8 @@ class PushBatcher:
             fut.set_result(value)
 
     async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -162,6 +188,14 @@ class PushBatcher:
         for req, _ in self._pending:
             self._settle(req, err)
         self._pending.clear()
+
+
+def _merged_growth(req: PushRequest, seen: set) -> int:
+    """Bytes ``req`` adds to a merged command that already holds the blocks in ``seen``."""
+    grows = 96 + len(req.client)  # its push id
+    grows += sum(64 + grad.nbytes for key, block, grad in req.dense if (key, block) not in seen)
+    grows += sum(64 + ids.nbytes * 2 + grads.nbytes for _, ids, grads in req.rows)  # ids + counts
+    return grows
 
 
 def _keys(req: PushRequest) -> set[str]:

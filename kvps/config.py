@@ -87,9 +87,13 @@ class ServerConfig:
     max_raw_bytes: int = 256 * MiB
     # A request body must arrive within this many seconds (slow or stalled clients).
     body_timeout: float = 30.0
-    # Leader batching: a merged command is proposed when it reaches this size, or as soon as a
-    # proposal slot is free (group commit: no added latency when idle).
-    batch_bytes: int = 8 * MiB
+    # Leader batching: pushes waiting for a proposal slot are merged into one command of at most
+    # batch_bytes (merged size: a block pushed by several workers counts once); it must leave
+    # room under raft.max_command_bytes.
+    batch_bytes: int = 6 * MiB
+    # An idle leader waits this long before proposing, so the pushes of one training step from
+    # several workers merge into one entry (under load the commit round trip is the window).
+    merge_window: float = 0.002
     # Proposals in flight at once; more pushes wait and get merged.
     max_inflight_proposals: int = 2
     # Bytes of pushes accepted but not yet committed; beyond it pushes wait up to
@@ -114,6 +118,8 @@ class ServerConfig:
                   "max_inflight_proposals", "max_inflight_bytes", "overload_wait", "barrier_wait",
                   "delta_depth", "delta_history_bytes",
                   "session_ttl")
+        if self.merge_window < 0:
+            raise ConfigError("merge_window must be >= 0", field="merge_window")
         if self.nonfinite not in ("reject", "skip"):
             raise ConfigError("nonfinite must be 'reject' or 'skip'", field="nonfinite")
         return self
@@ -188,6 +194,9 @@ class ClusterConfig:
                               f"{'set' if self.tls_cert else 'empty'}", field="nodes")
         self.raft.validate()
         self.server.validate()
+        if self.server.batch_bytes > self.raft.max_command_bytes - MiB:
+            raise ConfigError("server.batch_bytes must be at most raft.max_command_bytes - 1 MiB",
+                              field="batch_bytes")
         return self
 
     def node(self, node_id: int) -> NodeConfig:

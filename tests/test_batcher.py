@@ -46,6 +46,7 @@ async def until(predicate, timeout: float = 2.0):
 
 
 def make(raft: FakeRaft, **cfg) -> PushBatcher:
+    cfg.setdefault("merge_window", 0.0)
     return PushBatcher(raft.propose, lambda key: "sum", ServerConfig(**cfg), clock=lambda: 1000.0)
 
 
@@ -131,13 +132,17 @@ def test_a_failed_proposal_fails_every_push_merged_into_it():
     assert all(isinstance(r, NoQuorum) for r in results)
 
 
-def test_batches_are_bounded_in_bytes():
+def test_batches_are_bounded_in_merged_bytes():
+    """Pushes of the same block merge into one block's bytes; distinct blocks add up."""
+    def other_block(client, seq):
+        return PushRequest(client, seq, seq, dense=(("w", int(ord(client)), np.ones(256, np.float32)),))
+
     async def main():
         raft = FakeRaft()
         b = make(raft, max_inflight_proposals=1, batch_bytes=2500)
         first = asyncio.create_task(b.submit(push("a", 1)))
         await until(lambda: len(raft.proposed) == 1)
-        rest = [asyncio.create_task(b.submit(push(c, 1))) for c in "bcde"]
+        rest = [asyncio.create_task(b.submit(other_block(c, 1))) for c in "bcde"]
         await asyncio.sleep(0)
         for i in range(1, 3):
             raft.release(i - 1)
@@ -148,3 +153,38 @@ def test_batches_are_bounded_in_bytes():
         return [len(c.pushes) for c in raft.proposed]
 
     assert asyncio.run(main()) == [1, 2, 2]
+
+
+def test_same_block_from_many_workers_merges_into_one_entry():
+    async def main():
+        raft = FakeRaft()
+        b = make(raft, max_inflight_proposals=1, batch_bytes=2500)  # room for ~2 distinct blocks
+        first = asyncio.create_task(b.submit(push("a", 1)))
+        await until(lambda: len(raft.proposed) == 1)
+        rest = [asyncio.create_task(b.submit(push(c, 1))) for c in "bcdefgh"]  # all block 0
+        await asyncio.sleep(0)
+        raft.release(0)
+        await until(lambda: len(raft.proposed) == 2)
+        raft.release(1)
+        await first
+        await asyncio.gather(*rest)
+        return raft.proposed[1]
+
+    merged = asyncio.run(main())
+    assert len(merged.pushes) == 7 and len(merged.dense) == 1 and merged.dense[0].count == 7
+
+
+def test_idle_leader_waits_one_merge_window():
+    async def main():
+        raft = FakeRaft()
+        b = make(raft, merge_window=0.05)
+        tasks = [asyncio.create_task(b.submit(push(c, 1))) for c in "ab"]
+        await asyncio.sleep(0)
+        assert raft.proposed == []                   # waiting for the window ...
+        late = asyncio.create_task(b.submit(push("c", 1)))
+        await until(lambda: len(raft.proposed) == 1)  # ... then one entry for all three
+        raft.release(0)
+        await asyncio.gather(*tasks, late)
+        return raft.proposed[0]
+
+    assert len(asyncio.run(main()).pushes) == 3
