@@ -89,13 +89,17 @@ def _failures(counter, lin, convergence, mono, loss, faults) -> list[str]:
         out.append(f"{counter['lost']} acknowledged pushes LOST")
     if counter["applied_twice"]:
         out.append(f"{counter['applied_twice']} pushes APPLIED TWICE")
-    if not counter["ok"] and not (counter["lost"] or counter["applied_twice"]):
+    if counter["ok"] is None:
+        out.append("counters could not be read after the run (no serving leader): verdict unknown")
+    elif not counter["ok"] and not (counter["lost"] or counter["applied_twice"]):
         out.append("counter value and version disagree")
     if lin["ok"] is not True:
         out.append(f"register history: {lin['verdict']}")
     if convergence["diverged_shards"]:
         out.append(f"STATE DIVERGENCE on shard(s) {convergence['diverged_shards']}: replicas at the "
                    f"same applied index have different state hashes")
+    elif convergence.get("not_serving"):
+        out.append(f"the cluster was not serving after the run: {convergence['not_serving']}")
     elif not convergence["converged"]:
         out.append("replicas did not converge (some lag or do not answer) after quiescence")
     if not mono["ok"]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvps.config import RaftConfig, ServerConfig
+from kvps.errors import KvpsError
 from kvps.local import wait_until
 from kvps.process import spawn, stop_process
 
@@ -152,9 +153,15 @@ async def _run(state: RunState, cluster: ChaosCluster) -> dict[str, Any]:
     finally:
         _stop_trainers(trainers)
     progress.line("quiescing: waiting for every shard to serve and every replica to converge ...")
-    await asyncio.to_thread(cluster.wait_ready, 120)
-    convergence = await asyncio.to_thread(_wait_converged, cluster, 90.0)
-    final = await wl.final_reads()
+    final = None
+    try:
+        await asyncio.to_thread(cluster.wait_ready, 120)
+        convergence = await asyncio.to_thread(_wait_converged, cluster, 90.0)
+        final = await wl.final_reads()
+    except (TimeoutError, KvpsError) as exc:  # a cluster that never comes back is a finding, not a crash
+        state.log_lines.append(f"after the run: {type(exc).__name__}: {exc}")
+        convergence = await asyncio.to_thread(_wait_converged, cluster, 1.0)
+        convergence["not_serving"] = str(exc)
     train = _read_training(cluster.data_dir.parent, opts.train_workers)
     report = build_report(state, wl, final, convergence, train)
     progress.done(report)

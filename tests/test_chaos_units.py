@@ -32,6 +32,11 @@ def test_counter_bounds(acked, unknown, value, lost, twice):
     assert res["ok"] == (lost == 0 and twice == 0)
 
 
+def test_counter_verdict_is_unknown_when_the_counters_cannot_be_read():
+    res = checks.counter_check({"c": tally(5, 1)}, None)
+    assert res["ok"] is None and res["acked"] == 5 and res["lost"] is None
+
+
 def test_counter_value_must_match_version():
     res = checks.counter_check({"c": tally(5)}, {"c": (5.0, 6)})
     assert not res["ok"]
