@@ -132,6 +132,8 @@ class Node:
         for rp in self.replicas.values():
             alive = rp.proc is not None and rp.proc.poll() is None
             st = rp.status or {}
+            if not alive or st.get("pid") != rp.proc.pid:
+                st = {}  # a status polled from a process that has since died or been replaced
             replicas.append({
                 "shard": rp.shard, "node": self.node_id, "alive": alive,
                 "pid": rp.proc.pid if alive else None, "restarts": rp.restarts,
