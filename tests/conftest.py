@@ -32,6 +32,20 @@ def dump_logs(cluster: LocalCluster) -> None:
         print("\n".join(lines), file=sys.stderr)
 
 
+def module_cluster(tmp_path_factory, name: str, **kwargs):
+    """Body of a module-scoped cluster fixture: ``yield from module_cluster(f, "api", shards=3)``.
+    Started once for the module, logs shown if it cannot start, always stopped."""
+    c = make_cluster(tmp_path_factory.mktemp(name), **kwargs)
+    try:
+        c.start(timeout=90)
+        yield c
+    except BaseException:
+        dump_logs(c)
+        raise
+    finally:
+        c.stop()
+
+
 @pytest.fixture
 def cluster_factory(tmp_path, request):
     """Build clusters that are stopped (and their logs shown on failure) whatever happens."""

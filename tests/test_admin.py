@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvps_client as kc
-from conftest import dump_logs, make_cluster
+from conftest import module_cluster
 from kvps.auth import TokenStore
 from kvps.config import ServerConfig
 from kvps.dataplane import HANDLERS, OPEN_ROUTES, make_app
@@ -30,15 +30,7 @@ pytestmark = pytest.mark.cluster
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     server = ServerConfig(nonfinite="skip", body_timeout=1.0)
-    c = make_cluster(tmp_path_factory.mktemp("admin"), shards=2, server=server)
-    try:
-        c.start(timeout=90)
-        yield c
-    except BaseException:
-        dump_logs(c)
-        raise
-    finally:
-        c.stop()
+    yield from module_cluster(tmp_path_factory, "admin", shards=2, server=server)
 
 
 def client(cluster) -> kc.Client:

@@ -8,22 +8,14 @@ import pytest
 import torch
 
 import kvps_client as kc
-from conftest import dump_logs, make_cluster
+from conftest import module_cluster
 
 pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = make_cluster(tmp_path_factory.mktemp("api"), shards=3)
-    try:
-        c.start(timeout=90)
-        yield c
-    except BaseException:
-        dump_logs(c)
-        raise
-    finally:
-        c.stop()
+    yield from module_cluster(tmp_path_factory, "api", shards=3)
 
 
 def run(coro):

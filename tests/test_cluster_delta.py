@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvps_client as kc
-from conftest import dump_logs, make_cluster
+from conftest import module_cluster
 from kvps.config import ServerConfig
 
 pytestmark = pytest.mark.cluster
@@ -15,15 +15,7 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = make_cluster(tmp_path_factory.mktemp("delta"), shards=2, server=ServerConfig(delta_depth=2))
-    try:
-        c.start(timeout=90)
-        yield c
-    except BaseException:
-        dump_logs(c)
-        raise
-    finally:
-        c.stop()
+    yield from module_cluster(tmp_path_factory, "delta", shards=2, server=ServerConfig(delta_depth=2))
 
 
 def client(cluster, **kw) -> kc.Client:

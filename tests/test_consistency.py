@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import kvps_client as kc
-from conftest import dump_logs, make_cluster
+from conftest import module_cluster
 from kvps.local import wait_until
 from kvps.placement import block_shard
 from kvps_client.torch import PSModule
@@ -29,15 +29,7 @@ WORKERS = 3
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = make_cluster(tmp_path_factory.mktemp("consistency"), shards=2)
-    try:
-        c.start(timeout=90)
-        yield c
-    except BaseException:
-        dump_logs(c)
-        raise
-    finally:
-        c.stop()
+    yield from module_cluster(tmp_path_factory, "consistency", shards=2)
 
 
 def _log_ticks(ps: kc.Client, worker: int, log: list) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import kvps_client as kc
-from conftest import dump_logs, make_cluster
+from conftest import module_cluster
 from kvps.delta import frame
 from kvps_client.torch import Embedding, PSModule, SyncPSModule
 
@@ -23,15 +23,7 @@ LR = 0.1
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = make_cluster(tmp_path_factory.mktemp("torch"), shards=3)
-    try:
-        c.start(timeout=90)
-        yield c
-    except BaseException:
-        dump_logs(c)
-        raise
-    finally:
-        c.stop()
+    yield from module_cluster(tmp_path_factory, "torch", shards=3)
 
 
 def mlp(seed: int) -> nn.Module:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import kvps_client as kc
-from conftest import dump_logs, make_cluster
+from conftest import module_cluster
 from kvps_client.torch import Embedding, PSModule, SyncPSModule, _staged, _to_host
 
 pytestmark = [
@@ -25,15 +25,7 @@ LR = 0.1
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = make_cluster(tmp_path_factory.mktemp("cuda"), shards=2)
-    try:
-        c.start(timeout=90)
-        yield c
-    except BaseException:
-        dump_logs(c)
-        raise
-    finally:
-        c.stop()
+    yield from module_cluster(tmp_path_factory, "cuda", shards=2)
 
 
 @pytest.fixture(autouse=True)
