@@ -159,11 +159,12 @@ class Client:
                             codec=self.codec if codec is None else codec)
         last: KvpsError | None = None
         attempt = 0
+        start = self._rng.randrange(1 << 16)  # each call walks the replicas from its own place
         try:
             async with asyncio.timeout(self.timeout):
                 while True:
                     url = self.cluster_map.target(shard, any_replica=consistency == "follower",
-                                                  attempt=attempt, rng=self._rng)
+                                                  attempt=start + attempt, rng=self._rng)
                     try:
                         return await self._post(url + "/v1/rpc/" + op, body)
                     except NotLeader as exc:

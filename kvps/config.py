@@ -248,10 +248,13 @@ def dump_cluster(cfg: ClusterConfig) -> str:
     for f in dataclasses.fields(cfg):
         if f.name not in ("nodes", "raft", "server"):
             lines.append(f"{f.name} = {_toml_value(getattr(cfg, f.name))}")
-    for section in ("raft", "server"):
-        lines += ["", f"[{section}]"]
+    for section, default in (("raft", RaftConfig()), ("server", ServerConfig())):
+        # Only what differs from the defaults: a file written today must not pin defaults that
+        # a later release changes (or validates differently).
+        lines += ["", f"[{section}]", "# settings not listed here take their defaults (kvps/config.py)"]
         obj = getattr(cfg, section)
-        lines += [f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj)]
+        lines += [f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj)
+                  if getattr(obj, f.name) != getattr(default, f.name)]
     for node in cfg.nodes:
         lines += ["", "[[nodes]]"]
         lines += [f"{f.name} = {_toml_value(getattr(node, f.name))}" for f in dataclasses.fields(node)]

@@ -176,6 +176,11 @@ class Replica:
                  self.group.term())
         if role == "leader" and (self._barrier_task is None or self._barrier_task.done()):
             self._barrier_task = asyncio.get_running_loop().create_task(self._commit_barrier())
+        elif role != "leader":
+            abandoned = self.group.abandon_pending()
+            if abandoned:
+                log.info("shard %d: stepped down with %d proposals pending; answered as unknown "
+                         "outcome (clients retry, deduplicated)", self.shard, abandoned)
 
     async def _commit_barrier(self) -> None:
         """Commit a Barrier of our term; once applied, serve writes and leader reads."""
@@ -239,9 +244,13 @@ class Replica:
     async def ensure_serving(self) -> None:
         """Return once this replica is the leader and has applied its barrier."""
         deadline = time.monotonic() + self.cfg.server.barrier_wait
+        # Hold a request about one election long when no leader is known: a replica cut off from
+        # its peers never learns one, and the client should move on to another replica.
+        hold_until = time.monotonic() + min(self.cfg.server.barrier_wait,
+                                            1.5 * self.cfg.raft.election_timeout_max)
         while True:
             if not self.group.is_leader():
-                if self.group.leader_address() is None and time.monotonic() < deadline:
+                if self.group.leader_address() is None and time.monotonic() < hold_until:
                     # An election is under way: hold the request until it is decided, so the
                     # client learns the new leader from our hint instead of backing off blindly.
                     await asyncio.sleep(0.01)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pysyncobj.config import FAIL_REASON
 
 from kvps.config import RaftConfig
 from kvps.errors import CodecError, InvalidRequest
@@ -409,3 +410,19 @@ def test_a_stalled_follower_gets_back_pressure_then_catches_up(tmp_path):
     finally:
         release.set()
         c.stop_all()
+
+
+def test_a_leader_cut_off_from_its_majority_can_abandon_its_pending_proposals(cluster):
+    """A leader whose followers are gone cannot commit; the proposal would wait until it can.
+    abandon_pending answers it at once as LEADER_CHANGED (unknown outcome, retried by clients)."""
+    cluster.start_all()
+    leader = cluster.leader()
+    for address in [a for a in cluster.addresses if a != leader.selfNode.address]:
+        cluster.stop(address)
+    box: list[tuple[Any, int]] = []
+    done = threading.Event()
+    leader.propose(b"stranded", lambda result, reason: (box.append((result, reason)), done.set()))
+    assert not done.wait(0.3)                      # no majority: nothing can answer it
+    assert leader.abandon_pending() == 1
+    assert done.wait(5) and box == [(None, FAIL_REASON.LEADER_CHANGED)]
+    assert leader.abandon_pending() == 0           # nothing left, and it stays answered once

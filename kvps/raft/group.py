@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from pysyncobj import SyncObj, SyncObjConf, replicated
+from pysyncobj.config import FAIL_REASON
 from pysyncobj.node import TCPNode
 from pysyncobj.syncobj import _COMMAND_TYPE
 
@@ -176,6 +177,19 @@ class ShardGroup(SyncObj):
         command = pickle.dumps((self._func_id, (data,)), protocol=5)
         self._applyCommand(command, lambda result, reason: self._settle(token, result, reason),
                            _COMMAND_TYPE.REGULAR)
+
+    def abandon_pending(self) -> int:
+        """Answer every proposal still waiting with LEADER_CHANGED (outcome unknown).
+
+        pysyncobj fails forwarded commands when leadership changes, but a command proposed on a
+        leader that steps down waits until its index is applied, which for a partitioned old
+        leader is when the partition heals. Callers retry with the same push id, which the
+        applied table makes safe; if the entry does commit later, its callback finds nobody."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+        for callback in pending.values():
+            callback(None, FAIL_REASON.LEADER_CHANGED)
+        return len(pending)
 
     def _settle(self, token: int, result: Any, reason: int) -> None:
         with self._pending_lock:
