@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 
 import pytest
 
 from kvps.config import RaftConfig, ServerConfig
-from kvps.local import LocalCluster
+from kvps.local import LocalCluster, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,6 +31,26 @@ def dump_logs(cluster: LocalCluster) -> None:
         lines = log.read_text(errors="replace").splitlines()[-40:]
         print(f"----- {log.relative_to(cluster.data_dir)} -----", file=sys.stderr)
         print("\n".join(lines), file=sys.stderr)
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free right now (the kernel picks them)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_for(cond, timeout: float = 20.0, what: str = "condition"):
+    """``cond()``'s first truthy value, polled until ``timeout`` (then the test fails, naming it)."""
+    try:
+        return wait_until(cond, timeout, what, period=0.01)
+    except TimeoutError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 def module_cluster(tmp_path_factory, name: str, **kwargs):

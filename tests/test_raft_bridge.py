@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 import pytest
+from conftest import wait_for
 from pysyncobj.config import FAIL_REASON
 
 from kvps.config import RaftConfig
@@ -149,8 +150,8 @@ def test_propose_through_a_real_single_replica_group(tmp_path):
                        restore_state=lambda blob: None)
     try:
         async def main():
-            while not group.is_leader():  # a lone member elects itself after one election timeout
-                await asyncio.sleep(0.01)
+            # a lone member elects itself after one election timeout
+            await asyncio.to_thread(wait_for, group.is_leader, 10, "the lone member to lead")
             first = await bridge.propose(group, b"one")
             results = await asyncio.gather(*(bridge.propose(group, b"x%d" % i) for i in range(20)))
             domain = await bridge.propose(group, b"bad")

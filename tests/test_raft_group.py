@@ -6,15 +6,14 @@ Three in-process groups on 127.0.0.1 with free ports; every wait is a condition 
 from __future__ import annotations
 
 import logging
-import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import free_ports, wait_for
 from pysyncobj.config import FAIL_REASON
 
 from kvps.config import RaftConfig
@@ -27,28 +26,6 @@ SECRET = b"test-secret-for-raft-groups-0123456789"
 FAST = RaftConfig(election_timeout_min=0.3, election_timeout_max=0.6, heartbeat_period=0.05,
                   leader_fallback_timeout=0.6, connection_timeout=1.5, connection_retry=0.1)
 SUCCESS = 0
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 class Machine:

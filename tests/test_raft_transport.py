@@ -15,11 +15,11 @@ import threading
 import time
 import tracemalloc
 import zlib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import free_ports, wait_for
 
 from kvps.config import RaftConfig
 from kvps.raft.group import ShardGroup
@@ -37,28 +37,6 @@ CONTEXT = "test/shard=7"
 RAFT = RaftConfig(election_timeout_min=0.3, election_timeout_max=0.6, heartbeat_period=0.05,
                   leader_fallback_timeout=0.6, connection_timeout=1.5, connection_retry=0.1)
 U32 = struct.Struct("<I")
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 class Evil:
