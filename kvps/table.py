@@ -106,42 +106,41 @@ class Table:
 
     def plan(self, ids: np.ndarray, grads: np.ndarray, counts: np.ndarray) -> RowUpdate:
         """One optimizer step for rows ``ids`` (sorted, unique), without changing the table."""
-        slots = self.slots_of(ids)
-        stored = slots >= 0
-        picked = slots[stored]
+        slots, stored = self._locate(ids)
         fresh = self.init.rows(ids[~stored], self.dim, self.dtype)  # (new, dim)
         values = np.empty((len(ids), self.dim), dtype=self.dtype)  # (n, dim)
-        values[stored], values[~stored] = self.values[picked], fresh
-        fresh_state = self.optimizer.init_state(fresh)
-        state = {}
-        for name in self.optimizer.state_names():
-            rows = np.empty((len(ids), self.dim), dtype=self.dtype)  # (n, dim)
-            rows[stored], rows[~stored] = self.state[name][picked], fresh_state[name]
-            state[name] = rows
-        steps = np.zeros(len(ids), dtype=np.int64)
-        steps[stored] = self.steps[picked]
-        versions = np.zeros(len(ids), dtype=np.int64)
-        versions[stored] = self.versions[picked]
+        values[stored], values[~stored] = self.values[slots[stored]], fresh
+        state, steps, versions = self._row_state(slots, stored, fresh)
         new_values, new_state = self.optimizer.step(values, grads, state, steps + 1)
         return RowUpdate(ids, slots, new_values.astype(self.dtype, copy=False), new_state,
                          versions + counts, steps + 1)
 
     def plan_set(self, ids: np.ndarray, values: np.ndarray) -> RowUpdate:
         """Rows ``ids`` set to ``values`` (optimizer state and steps kept; new rows start fresh)."""
+        slots, stored = self._locate(ids)
+        state, steps, versions = self._row_state(slots, stored, values[~stored])
+        return RowUpdate(ids, slots, values.astype(self.dtype), state, versions + 1, steps)
+
+    def _locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         slots = self.slots_of(ids)
-        stored = slots >= 0
+        return slots, slots >= 0
+
+    def _row_state(self, slots: np.ndarray, stored: np.ndarray,
+                   fresh: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """Optimizer state, steps and versions of the rows at ``slots``; rows not stored yet
+        (``~stored``) get the optimizer's initial state for values ``fresh``."""
         picked = slots[stored]
-        fresh_state = self.optimizer.init_state(values[~stored])
+        fresh_state = self.optimizer.init_state(fresh)
         state = {}
         for name in self.optimizer.state_names():
-            rows = np.empty((len(ids), self.dim), dtype=self.dtype)  # (n, dim)
+            rows = np.empty((len(slots), self.dim), dtype=self.dtype)  # (n, dim)
             rows[stored], rows[~stored] = self.state[name][picked], fresh_state[name]
             state[name] = rows
-        steps = np.zeros(len(ids), dtype=np.int64)
+        steps = np.zeros(len(slots), dtype=np.int64)
         steps[stored] = self.steps[picked]
-        versions = np.zeros(len(ids), dtype=np.int64)
+        versions = np.zeros(len(slots), dtype=np.int64)
         versions[stored] = self.versions[picked]
-        return RowUpdate(ids, slots, values.astype(self.dtype), state, versions + 1, steps)
+        return state, steps, versions
 
     def commit(self, update: RowUpdate) -> None:
         slots = update.slots.copy()
