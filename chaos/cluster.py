@@ -17,7 +17,7 @@ from typing import Any
 from kvps.config import RaftConfig, ServerConfig
 from kvps.delta import frame
 from kvps.local import LocalCluster
-from kvps.process import python_module_args, spawn, stop_process
+from kvps.process import spawn, stop_process
 
 from kvps_chaos.netns import PROXY_PORT, Topology
 from kvps_chaos.proxy import set_delay
@@ -52,17 +52,9 @@ class ChaosCluster(LocalCluster):
             self._start_proxies()
         return super().start(wait=wait, timeout=timeout)
 
-    def start_node(self, node_id: int) -> None:
-        if self.topology is None:
-            return super().start_node(node_id)
-        proc = self.procs.get(node_id)
-        if proc is not None and proc.poll() is None:
-            return
-        args = python_module_args("kvps.cli", "node", "--config", str(self.config_path),
-                                  "--id", str(node_id))
-        log = self.data_dir / f"node-{node_id}" / "logs" / "node.log"
-        self.procs[node_id] = spawn(self.topology.exec_args(node_id, args), log, new_session=True,
-                                    env=self.env)
+    def node_command(self, node_id: int, args: list[str]) -> list[str]:
+        # in namespace mode every node runs inside its own network namespace
+        return args if self.topology is None else self.topology.exec_args(node_id, args)
 
     def raft_ports(self, shard: int | None = None) -> list[int]:
         shards = range(self.cfg.shards) if shard is None else [shard]

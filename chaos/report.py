@@ -178,7 +178,7 @@ def markdown(r: dict[str, Any]) -> str:
               f"| cuts followed by an election on heal | {_rejoins(r['faults'])} |",
               f"| training loss | {_fmt(r['training'].get('first'))} → {_fmt(r['training'].get('last'))} "
               f"({r['training']['steps']} steps, {r['training']['failed_steps']} failed) |",
-              f"| operations | " + ", ".join(f"{k} {v}" for k, v in sorted(r["ops"].items())) + " |",
+              "| operations | " + ", ".join(f"{k} {v}" for k, v in sorted(r["ops"].items())) + " |",
               "", "## Failover by fault kind", "", "| fault | n | p50 (s) | max (s) |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['n']} | {_fmt(v['p50'])} | {_fmt(v['max'])} |" for k, v in sorted(fo["by_kind"].items())]
     lines += ["", "## Faults", "", "| t (s) | fault | shard | node | recovery (s) | detail |", "|---|---|---|---|---|---|"]

@@ -135,7 +135,12 @@ class LocalCluster:
         args = python_module_args("kvps.cli", "node", "--config", str(self.config_path),
                                   "--id", str(node_id))
         log = self.data_dir / f"node-{node_id}" / "logs" / "node.log"
-        self.procs[node_id] = spawn(args, log, new_session=True, env=self.env)
+        self.procs[node_id] = spawn(self.node_command(node_id, args), log, new_session=True,
+                                    env=self.env)
+
+    def node_command(self, node_id: int, args: list[str]) -> list[str]:
+        """The command that runs node ``node_id`` (a subclass may wrap it, e.g. in a namespace)."""
+        return args
 
     def kill_node(self, node_id: int, sig: int = signal.SIGKILL) -> None:
         """Signal the node supervisor only; with SIGKILL its replicas die with it (PDEATHSIG)."""
