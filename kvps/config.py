@@ -14,6 +14,7 @@ from typing import Any
 from kvps.errors import ConfigError
 
 __all__ = [
+    "FSYNC_POLICIES",
     "ClusterConfig",
     "NodeConfig",
     "RaftConfig",
@@ -23,6 +24,9 @@ __all__ = [
 ]
 
 MiB = 1 << 20
+
+# When a replica's Raft journal reaches stable storage (kvps/raft/journal.py, README "Durability").
+FSYNC_POLICIES = ("never", "interval", "always")
 
 
 @dataclass(frozen=True)
@@ -52,11 +56,20 @@ class RaftConfig:
     compact_entries: int = 20000
     # Commands waiting in pysyncobj's queue before it answers QUEUE_FULL.
     queue_size: int = 4096
+    # When journal appends reach stable storage. Every policy survives kill -9 (the page cache
+    # holds the write); they differ on power loss of a majority: "never" can lose any unsynced
+    # acks, "interval" those of the last fsync_interval seconds, "always" none (fdatasync before
+    # an append is acknowledged). Default chosen by benchmarks/fsync_policy.py, see README.
+    fsync: str = "interval"
+    fsync_interval: float = 0.05
 
     def validate(self) -> "RaftConfig":
         _positive(self, "election_timeout_min", "heartbeat_period", "leader_fallback_timeout",
                   "connection_timeout", "max_command_bytes", "max_frame_bytes", "compact_bytes",
-                  "compact_entries", "queue_size")
+                  "compact_entries", "queue_size", "fsync_interval")
+        if self.fsync not in FSYNC_POLICIES:
+            raise ConfigError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, not {self.fsync!r}",
+                              field="fsync")
         if self.election_timeout_max <= self.election_timeout_min:
             raise ConfigError("election_timeout_max must be greater than election_timeout_min",
                               field="election_timeout_max")

@@ -8,11 +8,13 @@ import re
 from pathlib import Path
 
 import pysyncobj
+import pysyncobj.journal
 import pysyncobj.pickle
+import pysyncobj.syncobj
 import pysyncobj.transport
 from pysyncobj import SyncObj, SyncObjConf
 from pysyncobj.config import FAIL_REASON
-from pysyncobj.journal import FileJournal
+from pysyncobj.journal import FileJournal, Journal
 from pysyncobj.poller import createPoller
 from pysyncobj.serializer import Serializer
 from pysyncobj.syncobj import _COMMAND_TYPE, _RAFT_STATE
@@ -22,7 +24,9 @@ from pysyncobj.version import VERSION
 
 from kvps.config import RaftConfig
 from kvps.raft import group as group_module
+from kvps.raft import journal as journal_module
 from kvps.raft.group import COMMAND_TOO_LARGE, GROUP_STOPPED, syncobj_options
+from kvps.raft.journal import RaftJournal
 from kvps.raft.transport import TransportStats, _PeerConnection, _Settings
 
 
@@ -200,3 +204,31 @@ def test_tick_thread_lifetime_we_document():
     tick = src(SyncObj._autoTickThread)
     assert "if not self.__mainThread.is_alive(): break" in tick
     assert "weakref.proxy(self)" in src(SyncObj.__init__)
+
+
+# ---- journal.py: how SyncObj builds and uses its journal ------------------------------------------
+
+def test_syncobj_creates_its_journal_through_the_module_global():
+    """kvps.raft.journal replaces pysyncobj.syncobj.createJournal; that only works while
+    SyncObj.__init__ looks the name up as a module global and passes it conf.journalFile."""
+    assert "createJournal" in SyncObj.__init__.__code__.co_names
+    assert "self.__raftLog = createJournal(self.__conf.journalFile)" in src(SyncObj.__init__)
+    assert pysyncobj.syncobj.createJournal in (journal_module._original_create_journal,
+                                                journal_module._create_journal)
+    assert journal_module._original_create_journal is pysyncobj.journal.createJournal
+    assert params(pysyncobj.journal.createJournal) == ["journalFile"]
+
+
+def test_our_journal_has_every_method_syncobj_calls():
+    used = set(re.findall(r"self\.__raftLog\.(\w+)", inspect.getsource(pysyncobj.syncobj)))
+    assert used, "pattern no longer matches: re-check how SyncObj uses its journal"
+    interface = {name for name in vars(Journal) if not name.startswith("__")}
+    assert used <= interface | {"flush"}, f"SyncObj calls journal methods outside Journal: {used - interface}"
+    for name in interface | {"flush", "__getitem__", "__len__"}:
+        ours = getattr(RaftJournal, name)
+        assert ours is not getattr(Journal, name, None) or name == "onOneSecondTimer", name
+        assert params(ours) == params(getattr(Journal, name, None) or getattr(FileJournal, name)), name
+    # Entries are read as self.__raftLog[i] and self.__raftLog[a:b] (a list back), and compared
+    # with the snapshot's (command, index, term) tuples.
+    source = inspect.getsource(pysyncobj.syncobj)
+    assert "self.__raftLog[diff:diff + count]" in source and "self.__raftLog[0] != data[2]" in source

@@ -5,6 +5,8 @@
 * ``group`` -- ``ShardGroup``, the one ``SyncObj`` subclass, with one ``@replicated`` method.
 * ``bridge`` -- pysyncobj callbacks to asyncio futures, ``FAIL_REASON`` to kvps errors.
 * ``snapshot_file`` -- our log-compaction snapshot format.
+* ``journal`` -- our Raft journal (checksummed, crash-safe, explicit fsync policy), installed in
+  place of pysyncobj's ``FileJournal``.
 
 ``tests/test_raft_pin.py`` fails first when a pysyncobj upgrade moves an internal we rely on.
 """

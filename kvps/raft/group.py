@@ -23,10 +23,15 @@ What pysyncobj 0.3.17 forces on us and how this class answers it (DESIGN section
 * ``commandsWaitLeader=False``: a proposal made while no leader is known fails at once with
   MISSING_LEADER (retryable) instead of waiting, unbounded, in pysyncobj's queue.
 
-Durability: the journal (``journal_dir/raft.journal``) is an mmap that pysyncobj never fsyncs
-while running; ``raft.journal.meta`` (term, vote, commit index) is written and renamed without
-fsync. An acknowledged command survives ``kill -9`` of the process (the page cache holds it), not
-a power loss or kernel crash, unless a majority of replicas survives it. Snapshots are fsynced.
+Durability: the journal (``journal_dir/raft.journal`` and ``.meta``) is ours, not pysyncobj's
+mmap: ``kvps.raft.journal`` is installed in its place around ``SyncObj.__init__`` (checksummed
+records, a torn tail truncated at open, compaction rewrites by rename, term and vote fsynced
+before pysyncobj sends the message that reflects them). ``raft.fsync`` says when appends reach
+stable storage. Under every setting an acknowledged command survives ``kill -9`` of any process
+(the page cache holds it). On a power loss or kernel crash of a majority of replicas, ``never``
+can lose acknowledged commands the kernel had not written back yet, ``interval`` (the default)
+those of the last ``raft.fsync_interval`` seconds, ``always`` none (each replica fdatasyncs an
+entry before it counts towards the majority). Snapshots are fsynced.
 
 Threads: pysyncobj runs everything (applier, snapshot hooks, role and result callbacks) on its
 tick thread. That thread stops when the thread that *constructed* the group exits, so build the
@@ -52,6 +57,7 @@ from pysyncobj.syncobj import _COMMAND_TYPE
 from kvps.config import RaftConfig
 from kvps.errors import InvalidRequest
 from kvps.raft import snapshot_file
+from kvps.raft.journal import using_journal
 from kvps.raft.transport import make_transport_class
 
 __all__ = ["COMMAND_TOO_LARGE", "GROUP_STOPPED", "ShardGroup", "syncobj_options"]
@@ -132,8 +138,10 @@ class ShardGroup(SyncObj):
             secret=secret, context=context.encode(), max_frame_bytes=raft.max_frame_bytes,
             socket_buffer_bytes=raft.socket_buffer_bytes)
         self._transport_stats = transport.stats
-        super().__init__(self_address, [p for p in peers if p != self_address], conf,
-                         transportClass=transport)
+        with using_journal(journal_dir / "raft.journal", fsync=raft.fsync,
+                           fsync_interval=raft.fsync_interval):  # our journal, not FileJournal
+            super().__init__(self_address, [p for p in peers if p != self_address], conf,
+                             transportClass=transport)
         self.addOnTickCallback(self._note_tick_thread)
         self._func_id = self._methodToID[self._getFuncName("apply_command")]
 
