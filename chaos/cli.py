@@ -2,7 +2,7 @@
 
     kvps chaos [--duration S] [--seed N] [--faults a,b,...] [--out DIR] [--mode auto|netns|loopback]
                [--shards N] [--register-reads linearizable|leader] [--unsafe-disable-dedup]
-               [--keep-data] [--no-progress]
+               [--fsync never|interval|always] [--keep-data] [--no-progress]
 """
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import argparse
 import random
 import sys
 from pathlib import Path
+
+from kvps.config import FSYNC_POLICIES, RaftConfig
 
 from kvps_chaos.faults import ALL_FAULTS
 from kvps_chaos.runner import ChaosOptions, run_chaos
@@ -29,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="leader: register reads without a read barrier (stale under partitions)")
     p.add_argument("--unsafe-disable-dedup", action="store_true",
                    help="a deliberately broken server (no duplicate table): the run must fail")
+    p.add_argument("--fsync", choices=FSYNC_POLICIES, default=RaftConfig.fsync,
+                   help="the cluster's Raft journal fsync policy (default: %(default)s)")
     p.add_argument("--keep-data", action="store_true", help="keep journals even if the run passes")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -40,7 +44,8 @@ def main(argv: list[str]) -> int:
     faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
     opts = ChaosOptions(duration=args.duration, seed=seed, faults=faults, out=Path(args.out),
                         mode=args.mode, shards=args.shards, register_reads=args.register_reads,
-                        unsafe_disable_dedup=args.unsafe_disable_dedup, keep_data=args.keep_data,
+                        unsafe_disable_dedup=args.unsafe_disable_dedup, fsync=args.fsync,
+                        keep_data=args.keep_data,
                         progress=not args.no_progress)
     try:
         report = run_chaos(opts)

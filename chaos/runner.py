@@ -51,15 +51,17 @@ class ChaosOptions:
     # window in which a partitioned leader that has not stepped down yet serves stale reads.
     register_reads: str = "linearizable"
     unsafe_disable_dedup: bool = False  # the deliberately broken build (harness self-test)
+    fsync: str = RaftConfig.fsync      # the replicas' journal fsync policy (kill -9 is survived by all)
     keep_data: bool = False            # keep journals and snapshots even when the run passes
     progress: bool = True
 
     def replay_command(self) -> str:
         faults = f" --faults {','.join(self.faults)}" if self.faults else ""
         broken = " --unsafe-disable-dedup" if self.unsafe_disable_dedup else ""
+        fsync = f" --fsync {self.fsync}" if self.fsync != RaftConfig.fsync else ""
         reads = f" --register-reads {self.register_reads}" if self.register_reads != "linearizable" else ""
         return (f"kvps chaos --seed {self.seed} --duration {self.duration:g} --shards {self.shards}"
-                f"{faults} --mode {self.mode}{reads}{broken}")
+                f"{faults} --mode {self.mode}{reads}{fsync}{broken}")
 
 
 @dataclass
@@ -112,7 +114,8 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
             netns.remove_stale()
             topo = netns.Topology(opts.nodes).create()
         cluster = ChaosCluster(data, nodes=opts.nodes, shards=opts.shards, topology=topo,
-                               seed=opts.seed, raft=RaftConfig(compact_entries=2000),  # snapshot installs
+                               seed=opts.seed,
+                               raft=RaftConfig(compact_entries=2000, fsync=opts.fsync),  # snapshot installs
                                server=ServerConfig(unsafe_disable_dedup=opts.unsafe_disable_dedup))
         if topo is not None:
             with topo.entered():

@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvps.config import load_cluster
+from kvps.config import FSYNC_POLICIES, RaftConfig, load_cluster
 from kvps.errors import KvpsError
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:7100"
@@ -114,7 +114,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     cluster = LocalCluster(args.data_dir, nodes=args.nodes, shards=args.shards,
                            replicas=args.replicas, port=args.port, tls_cert=args.tls_cert or "",
-                           tls_key=args.tls_key or "", tls_ca=args.tls_ca or "")
+                           tls_key=args.tls_key or "", tls_ca=args.tls_ca or "",
+                           raft=RaftConfig(fsync=args.fsync))
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -234,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--tls-cert", help="serve client and admin traffic over HTTPS with this PEM certificate")
     up.add_argument("--tls-key", help="the certificate's PEM private key")
     up.add_argument("--tls-ca", help="CA that signed the certificate (default: the certificate itself)")
+    up.add_argument("--fsync", choices=FSYNC_POLICIES, default=RaftConfig.fsync,
+                    help="when Raft journal appends reach stable storage (default: %(default)s; "
+                         "every choice survives kill -9, they differ on power loss: see README "
+                         "Durability)")
 
     node = sub.add_parser("node", help="run one node of a cluster")
     node.add_argument("--config", required=True)
