@@ -13,6 +13,7 @@ dicts.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Union
 
@@ -28,6 +29,8 @@ __all__ = [
     "Barrier",
     "ClockTick",
     "SetRows",
+    "SNAPSHOT_OPS",
+    "SnapshotStep",
     "Command",
     "CreateKey",
     "CreateTable",
@@ -399,7 +402,43 @@ class SetRows(_Base):
         return _encode({"type": "set_rows", "key": self.key}, [self.ids, self.values])
 
 
-Command = Union[CreateKey, CreateTable, DeleteKey, Push, Set, Barrier, ClockTick, SetRows]
+SNAPSHOT_OPS = ("cut", "seal", "commit", "drop", "restore")
+SNAPSHOT_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+MAX_LABEL_CHARS = 256
+
+
+@dataclass(frozen=True, eq=False)
+class SnapshotStep(_Base):
+    """One step of a cluster-wide user snapshot, proposed on every shard by the coordinator
+    (``kvps.snapshots``): ``cut`` (this log index is the snapshot; ``at`` = when it was asked for),
+    ``seal`` (``at`` = the snapshot's timestamp, fixed once every shard has cut), ``commit`` (every
+    shard's file is written; ``digest`` and ``size`` of this shard's file), ``drop``, and ``restore``
+    (replace the keys with the snapshot's; ``digest`` must match the committed one)."""
+
+    op: str
+    snap_id: str
+    at: float = 0.0
+    label: str = ""
+    digest: str = ""
+    size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.op not in SNAPSHOT_OPS:
+            raise _bad("op", f"one of {SNAPSHOT_OPS}")
+        if not isinstance(self.snap_id, str) or not SNAPSHOT_ID.match(self.snap_id):
+            raise _bad("snap_id", "1-64 characters of [A-Za-z0-9._-]")
+        if not isinstance(self.label, str) or len(self.label) > MAX_LABEL_CHARS:
+            raise _bad("label", f"a string of at most {MAX_LABEL_CHARS} characters")
+        if not isinstance(self.digest, str) or len(self.digest) > 128:
+            raise _bad("digest", "a string of at most 128 characters")
+        _set_fields(self, at=_time(self.at), size=_int(self.size, "size"))
+
+    def to_bytes(self) -> bytes:
+        return _encode({"type": "snapshot", "op": self.op, "snap_id": self.snap_id, "at": self.at,
+                        "label": self.label, "digest": self.digest, "size": self.size})
+
+
+Command = Union[CreateKey, CreateTable, DeleteKey, Push, Set, Barrier, ClockTick, SetRows, SnapshotStep]
 
 
 # ---- encoding -----------------------------------------------------------------------------------
@@ -464,6 +503,8 @@ def _decode(m: dict, arrays: tuple) -> Any:
         return Barrier(m["term"], m["replica"])
     if kind == "clock_tick":
         return ClockTick(m["now"], m["job"], m["worker"], m["step"], m["lease_s"])
+    if kind == "snapshot":
+        return SnapshotStep(m["op"], m["snap_id"], m["at"], m["label"], m["digest"], m["size"])
     raise InvalidRequest(f"unknown command type {kind!r}")
 
 

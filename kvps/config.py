@@ -125,6 +125,13 @@ class ServerConfig:
     nonfinite: str = "reject"
     # Debug switch for the chaos harness: disables the duplicate table (never in production).
     unsafe_disable_dedup: bool = False
+    # User snapshots: while one is being cut, acknowledgements of pushes applied after the cut are
+    # held until its timestamp is fixed, at most snapshot_hold seconds (a coordinator that takes
+    # longer abandons the snapshot). snapshot_every > 0 takes one every that many seconds;
+    # snapshot_keep > 0 keeps only the newest that many (0: keep all).
+    snapshot_hold: float = 5.0
+    snapshot_every: float = 0.0
+    snapshot_keep: int = 0
 
     def validate(self) -> "ServerConfig":
         _positive(self, "max_request_bytes", "max_raw_bytes", "body_timeout", "batch_bytes",
@@ -135,6 +142,9 @@ class ServerConfig:
             raise ConfigError("merge_window must be >= 0", field="merge_window")
         if self.nonfinite not in ("reject", "skip"):
             raise ConfigError("nonfinite must be 'reject' or 'skip'", field="nonfinite")
+        _positive(self, "snapshot_hold")
+        if self.snapshot_every < 0 or self.snapshot_keep < 0:
+            raise ConfigError("snapshot_every and snapshot_keep must be >= 0", field="snapshot_every")
         return self
 
 

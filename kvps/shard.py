@@ -22,6 +22,7 @@ from kvps.applied import AppliedTable, Result
 from kvps.clocks import ClockTable
 from kvps.command import (
     Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Push, PushId, Set, SetRows,
+    SnapshotStep,
 )
 from kvps.delta import frame
 from kvps.errors import (
@@ -36,7 +37,8 @@ from kvps.table import Table
 __all__ = ["Block", "DenseKey", "ShardState"]
 
 SNAPSHOT_FORMAT = 1
-DEFAULT_MAX_SNAPSHOT_BYTES = 1 << 40  # a snapshot is our own (checksummed) data; only sanity-capped
+DEFAULT_MAX_SNAPSHOT_BYTES = 1 << 40
+MAX_LISTED_KEYS = 4096  # a user snapshot's catalog entry names its keys up to this many  # a snapshot is our own (checksummed) data; only sanity-capped
 
 
 def _frozen(arr: np.ndarray) -> np.ndarray:
@@ -144,6 +146,9 @@ class ShardState:
         self._keys: dict[str, Entry] = {}
         self._applied = AppliedTable(self.session_ttl)
         self._clocks = ClockTable()
+        # user snapshots this shard took part in: id -> {"id", "label", "created", "time",
+        # "state" (pending | sealed | complete), "keys", "digest", "size"}
+        self._snapshots: dict[str, dict] = {}
 
     # ---- apply ------------------------------------------------------------------------------
 
@@ -203,6 +208,88 @@ class ShardState:
             raise InvalidRequest("row values contain NaN or Inf", key=cmd.key)
         table.commit(table.plan_set(cmd.ids, cmd.values))  # type: ignore[union-attr]
         return {"rows": len(cmd.ids)}
+
+    def _snapshot_step(self, cmd: SnapshotStep) -> dict:
+        """The catalog side of a user snapshot. Every step is idempotent (the coordinator retries);
+        the files are the replica's business (``kvps.replica``), and ``restore`` needs the
+        snapshot's state: see ``apply_restore``."""
+        entry = self._snapshots.get(cmd.snap_id)
+        if cmd.op == "cut":
+            if entry is None:
+                # key names (up to a cap) so a listing can count keys split over several shards once
+                names = sorted(self._keys) if len(self._keys) <= MAX_LISTED_KEYS else None
+                entry = {"id": cmd.snap_id, "label": cmd.label, "created": cmd.at, "time": None,
+                         "state": "pending", "keys": len(self._keys), "names": names,
+                         "digest": "", "size": 0}
+                self._snapshots[cmd.snap_id] = entry
+                return {"snapshot": dict(entry), "cut": True}
+            return {"snapshot": dict(entry), "cut": False}
+        if cmd.op == "drop":
+            return {"dropped": self._snapshots.pop(cmd.snap_id, None) is not None}
+        if entry is None:
+            raise KeyNotFound(f"no snapshot {cmd.snap_id!r} on shard {self.shard}", snapshot=cmd.snap_id)
+        if cmd.op == "seal":
+            if entry["state"] == "pending":
+                entry.update(state="sealed", time=cmd.at)
+            return {"snapshot": dict(entry)}
+        if cmd.op == "commit":
+            if entry["state"] == "pending":
+                raise InvalidRequest(f"snapshot {cmd.snap_id!r} is not sealed", snapshot=cmd.snap_id)
+            if entry["state"] == "sealed":
+                entry.update(state="complete", digest=cmd.digest, size=cmd.size)
+            return {"snapshot": dict(entry)}
+        raise InvalidRequest("a restore is applied with the snapshot's state (apply_restore)",
+                             snapshot=cmd.snap_id)
+
+    def snapshot_entry(self, snap_id: str) -> dict | None:
+        entry = self._snapshots.get(snap_id)
+        return None if entry is None else dict(entry)
+
+    def snapshot_catalog(self) -> list[dict]:
+        return [dict(e) for _, e in sorted(self._snapshots.items())]
+
+    def check_restore(self, cmd: SnapshotStep) -> KvpsError | None:
+        entry = self._snapshots.get(cmd.snap_id)
+        if cmd.op != "restore":
+            return InvalidRequest("not a restore step")
+        if entry is None or entry["state"] != "complete":
+            return KeyNotFound(f"no complete snapshot {cmd.snap_id!r} on shard {self.shard}",
+                               snapshot=cmd.snap_id)
+        if entry["digest"] != cmd.digest:
+            return InvalidRequest(f"snapshot {cmd.snap_id!r} of shard {self.shard} has digest "
+                                  f"{entry['digest']}, the restore names {cmd.digest}",
+                                  snapshot=cmd.snap_id)
+        return None
+
+    def apply_restore(self, cmd: SnapshotStep, snap: "ShardState | None") -> Any:
+        """Replace the keys with ``snap``'s (the state the snapshot's file holds, checked against
+        the committed digest by the caller; ``None`` if the caller could not load it, which is an
+        error value and changes nothing).
+
+        Versions only move forward: every restored block and row gets ``floor`` added, ``floor``
+        being one more than any version on this shard now, so a client holding any cached version
+        sees a change and pulls the value again. The applied table (exactly-once), the worker
+        clocks and the snapshot catalog stay as they are: a push acknowledged before the restore
+        and retried after it is still not applied twice. Never raises."""
+        err = self.check_restore(cmd)
+        if err is None and snap is None:
+            err = Unavailable(f"snapshot {cmd.snap_id!r} of shard {self.shard} could not be loaded",
+                              snapshot=cmd.snap_id)
+        if err is not None:
+            return err
+        assert snap is not None
+        floor = 1 + max((self._version(k) for k in self._keys), default=0)
+        keys: dict[str, Entry] = {}
+        for key in sorted(snap._keys):
+            entry = snap._keys[key]
+            if isinstance(entry, DenseKey):
+                entry.blocks = {b: Block(blk.value, blk.version + floor, blk.step, blk.state)
+                                for b, blk in entry.blocks.items()}
+            else:
+                entry.bump_versions(floor)
+            keys[key] = entry
+        self._keys = keys
+        return {"restored": cmd.snap_id, "keys": len(keys), "version_floor": floor}
 
     def _clock_tick(self, cmd: ClockTick) -> dict:
         return {"clocks": self._clocks.tick(cmd.now, cmd.job, cmd.worker, cmd.step, cmd.lease_s)}
@@ -420,6 +507,13 @@ class ShardState:
 
     def snapshot(self) -> bytes:
         """Deterministic bytes: keys sorted, blocks and rows in order, the applied table included."""
+        return frame.encode(frame.KIND_SNAPSHOT, *self.snapshot_parts())
+
+    def snapshot_parts(self) -> tuple[dict, list[np.ndarray]]:
+        """``snapshot()`` before encoding: the meta and the arrays, which stay valid while the state
+        moves on (dense blocks are immutable and referenced; table rows are copied). Taking it is
+        cheap for dense keys, so a writer thread can encode and write a consistent snapshot while
+        the state machine keeps applying entries."""
         metas, arrays = [], []
         for key in sorted(self._keys):
             meta, arrs = self._keys[key].snapshot_parts()
@@ -432,7 +526,9 @@ class ShardState:
                 "dedup": self.dedup, "keys": metas}
         if self._clocks.jobs:  # only when present: snapshots without clocks keep their old bytes
             meta["clocks"] = self._clocks.to_json()
-        return frame.encode(frame.KIND_SNAPSHOT, meta, arrays)
+        if self._snapshots:  # likewise
+            meta["snapshots"] = self.snapshot_catalog()
+        return meta, arrays
 
     @classmethod
     def restore(cls, data: bytes, *, session_ttl: float | None = None, dedup: bool | None = None,
@@ -462,6 +558,8 @@ class ShardState:
             raise ValueError("snapshot carries unnamed arrays")
         state._applied.load_json(json.loads(arrays[-1].tobytes().decode("utf-8")))
         state._clocks.load_json(m.get("clocks", []))
+        for entry in m.get("snapshots", []):
+            state._snapshots[str(entry["id"])] = dict(entry)
         return state
 
     def state_hash(self) -> str:
@@ -497,4 +595,5 @@ _HANDLERS = {
     Barrier: ShardState._barrier,
     ClockTick: ShardState._clock_tick,
     SetRows: ShardState._set_rows,
+    SnapshotStep: ShardState._snapshot_step,
 }

@@ -161,6 +161,12 @@ class Table:
 
     # ---- snapshot form: rows in id order, so equal tables give equal bytes ----------------------
 
+    def bump_versions(self, floor: int) -> None:
+        """Add ``floor`` to every stored row's version (a restore moves versions forward)."""
+        self.versions = self.versions.copy()
+        self.versions[:self.n] += floor
+        self.max_version = int(self.versions[:self.n].max()) if self.n else 0
+
     def snapshot_parts(self) -> tuple[dict, list[np.ndarray]]:
         order = np.argsort(self.ids[:self.n], kind="stable")  # (n,) slots in id order
         arrays = [self.ids[order], self.values[order], self.versions[order], self.steps[order]]

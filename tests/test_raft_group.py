@@ -49,6 +49,7 @@ class Machine:
             return b"".join(struct.pack("<I", len(x)) + x for x in self.applied)
 
     def restore(self, blob: bytes) -> None:
+        blob = bytes(blob)  # the group hands over a view of the snapshot file
         items, pos = [], 0
         while pos < len(blob):
             (n,) = struct.unpack_from("<I", blob, pos)
@@ -403,3 +404,68 @@ def test_a_leader_cut_off_from_its_majority_can_abandon_its_pending_proposals(cl
     assert leader.abandon_pending() == 1
     assert done.wait(5) and box == [(None, FAIL_REASON.LEADER_CHANGED)]
     assert leader.abandon_pending() == 0           # nothing left, and it stays answered once
+
+
+class SlowWriterMachine(Machine):
+    """A state whose snapshot takes as long as the test says to write (a big state on a slow
+    disk): the view is taken on the tick thread, the slow part runs in the writer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writing = threading.Event()
+        self.release = threading.Event()
+
+    def snapshot(self):
+        data = super().snapshot()  # the view, on the tick thread
+
+        def write_later() -> bytes:
+            self.writing.set()
+            self.release.wait(30)
+            return data
+        return write_later
+
+
+def test_compaction_runs_off_the_tick_thread(tmp_path):
+    """While the leader's compaction is stuck in its writer for twice the election timeout, the
+    leader keeps its term and commits; once written, the snapshot covers exactly the entries
+    applied when it started and the log is truncated. (A compaction on the tick thread stalls the
+    heartbeats and the followers elect someone else.)"""
+    c = Cluster(tmp_path)
+    try:
+        c.start_all()
+        leader = c.leader()
+        address = next(a for a, g in c.groups.items() if g is leader)
+        slow = SlowWriterMachine()
+        # swap the leader's machine for the slow one, with the same content
+        for i in range(5):
+            c.propose(b"before-%d" % i)
+        c.wait_converged()
+        slow.applied = c.machines[address].sequence()
+        c.machines[address] = slow
+        leader._applier, leader._snapshot_state = slow.apply, slow.snapshot
+        term = leader.term()
+        leader.forceLogCompaction()
+        wait_for(slow.writing.is_set, 10, "the compaction writer to start")
+        covered = list(slow.applied)
+        started = time.monotonic()
+        committed = 0
+        while committed < 10 or time.monotonic() - started < 2 * FAST.election_timeout_max:
+            assert propose_sync(leader, b"during-%d" % committed, timeout=5)[1] == SUCCESS
+            committed += 1
+        assert leader.is_leader() and leader.term() == term, "the leader lost its term while compacting"
+        assert leader.status()["compactions"]["succeeded"] == 0
+        log_before = leader.status()["log_entries"]
+        slow.release.set()
+        wait_for(lambda: leader.status()["compactions"]["succeeded"] == 1, 10, "the compaction to finish")
+        snap = snapshot_file.read(Path(leader._dump_path))
+        slow.restore(bytes(snap.state))
+        assert slow.sequence() == covered
+        assert snap.last_entry[1] >= len(covered)
+        wait_for(lambda: leader.status()["log_entries"] <= log_before - len(covered) + 2, 10,
+                 "the log to be truncated")
+        assert leader.term() == term
+    finally:
+        for m in c.machines.values():
+            if isinstance(m, SlowWriterMachine):
+                m.release.set()
+        c.stop_all()

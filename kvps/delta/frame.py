@@ -50,6 +50,7 @@ __all__ = [
     "decode",
     "encode",
     "encode_parts",
+    "head_size",
 ]
 
 KIND_REQUEST = 1
@@ -318,3 +319,17 @@ def decode(data, *, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES,
     if flags:
         raise CodecError(f"unknown frame flags {flags:#x}")
     return decoder(view, kind, meta_len, n_arrays, header_crc, max_raw_bytes)
+
+
+def head_size(data) -> int:
+    """Bytes before the payload (header, meta, descriptors): the part that carries every array's
+    CRC, so a digest of it identifies the whole frame. ``CodecError`` if it does not parse."""
+    view = _as_bytes_view(data)
+    if len(view) < _HEADER.size:
+        raise CodecError(f"truncated: {len(view)} bytes, header needs {_HEADER.size}")
+    magic, version, _kind, _flags, meta_len, n_arrays, _crc = _HEADER.unpack_from(view, 0)
+    if magic != MAGIC or version not in _DECODERS:
+        raise CodecError("not a kvps frame")
+    if meta_len > MAX_META_BYTES or n_arrays > MAX_ARRAYS or _HEADER.size + meta_len > len(view):
+        raise CodecError("truncated or oversized frame head")
+    return _parse_descriptors(view, _HEADER.size + meta_len, n_arrays)[1]

@@ -16,10 +16,18 @@ What pysyncobj 0.3.17 forces on us and how this class answers it (DESIGN section
   and ``appendEntriesBatchSizeBytes`` just above ``max_command_bytes`` so the chunked path for
   large entries (which truncates them) is never taken; larger commands are refused up front.
 * Log compaction writes our own snapshot format (``kvps.raft.snapshot_file``) through the
-  ``serializer`` / ``deserializer`` hooks and is triggered by applied *bytes* as well as entries
-  (pysyncobj only counts entries, and its in-memory log holds every entry until compaction).
-  pysyncobj calls the serializer synchronously in its tick thread, so a large state stalls
-  heartbeats while it is written; acceptable for now, off-thread compaction is separate work.
+  ``serializer`` / ``deserializer`` / ``serializeChecker`` hooks and is triggered by applied
+  *bytes* as well as entries (pysyncobj only counts entries, and its in-memory log holds every
+  entry until compaction). It runs off the tick thread: pysyncobj calls the serializer on the tick
+  thread, which only takes ``snapshot_state()`` (a consistent view of the state: references to
+  immutable blocks, copies of what mutates in place) and starts a writer thread; the writer
+  encodes and fsyncs ``raft.snapshot.partial``; ``serializeChecker`` (polled on the tick thread)
+  renames it into place when the writer is done and reports SUCCESS, and only then does pysyncobj
+  drop the log entries it covers. Every rename of the dump file happens on the tick thread, so a
+  snapshot installed from the leader meanwhile cannot be overwritten by an older one (the
+  finished compaction is discarded instead). pysyncobj renames its own ``.tmp`` into place right
+  after the serializer returns; we never create that file, so its rename fails quietly (the
+  checker decides the outcome). Extra memory while writing: the blocks replaced meanwhile.
 * ``commandsWaitLeader=False``: a proposal made while no leader is known fails at once with
   MISSING_LEADER (retryable) instead of waiting, unbounded, in pysyncobj's queue.
 
@@ -42,6 +50,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import pickle
 import threading
 import time
@@ -50,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from pysyncobj import SyncObj, SyncObjConf, replicated
-from pysyncobj.config import FAIL_REASON
+from pysyncobj.config import FAIL_REASON, SERIALIZER_STATE
 from pysyncobj.node import TCPNode
 from pysyncobj.syncobj import _COMMAND_TYPE
 
@@ -100,11 +109,15 @@ def syncobj_options(raft: RaftConfig, journal_dir: Path) -> dict[str, Any]:
 
 class ShardGroup(SyncObj):
     """A Raft replica of one shard. ``applier``, ``snapshot_state`` and ``restore_state`` run on the
-    tick thread; ``propose`` may be called from any thread; callbacks arrive on the tick thread."""
+    tick thread; ``propose`` may be called from any thread; callbacks arrive on the tick thread.
+
+    ``snapshot_state()`` returns the state's bytes, a list of buffers, or a callable returning
+    either (called on the compaction's writer thread: take a consistent view, encode later).
+    ``restore_state(data)`` gets a bytes-like view of the snapshot file's state section."""
 
     def __init__(self, *, self_address: str, peers: Sequence[str], raft: RaftConfig, secret: bytes,
                  context: str, journal_dir: Path, applier: Callable[[bytes], Any],
-                 snapshot_state: Callable[[], bytes], restore_state: Callable[[bytes], None],
+                 snapshot_state: Callable[[], Any], restore_state: Callable[[memoryview], None],
                  on_role_change: Callable[[str], None] | None = None) -> None:
         raft.validate()
         journal_dir = Path(journal_dir)
@@ -112,6 +125,8 @@ class ShardGroup(SyncObj):
         dump_path = journal_dir / "raft.snapshot"
         if dump_path.exists():
             snapshot_file.read(dump_path)  # refuse to start on a corrupt snapshot (CodecError)
+        for leftover in (".partial", ".tmp", ".1.tmp"):  # a compaction or install cut short
+            _unlink(str(dump_path) + leftover)
 
         # Everything the tick thread may touch is set before SyncObj.__init__ starts it.
         self._raft = raft
@@ -127,11 +142,17 @@ class ShardGroup(SyncObj):
         self._stopped = False
         self._tick_thread: threading.Thread | None = None
         self._func_id: int | None = None
+        self._dump_path = dump_path
+        self._compaction: _Compaction | None = None  # the writer in flight, if any
+        self._installs = 0  # snapshots installed from a leader (a running compaction is then stale)
+        self.compactions = {"started": 0, "succeeded": 0, "failed": 0, "discarded": 0,
+                            "last_seconds": 0.0, "last_bytes": 0}
 
         conf = SyncObjConf(
             **syncobj_options(raft, journal_dir),
             serializer=self._write_snapshot,
             deserializer=self._read_snapshot,
+            serializeChecker=self._check_snapshot,
             onStateChanged=self._on_state_changed,
         )
         transport = make_transport_class(
@@ -241,6 +262,7 @@ class ShardGroup(SyncObj):
             "commit_index": self.raftCommitIndex,
             "applied_index": self.raftLastApplied,
             "log_entries": self._getRaftLogSize(),
+            "compactions": dict(self.compactions),
             # caught up once with a leader's commit index, and a leader is known now
             "ready": bool(self.isReady()) and leader is not None,
         }
@@ -260,6 +282,9 @@ class ShardGroup(SyncObj):
             self.destroy()
             return
         self.destroy_synchronous()
+        job = self._compaction
+        if job is not None and job.thread is not None:
+            job.thread.join(timeout=60)  # a half-written .partial is harmless, but do not leave it
         with self._pending_lock:
             pending, self._pending = self._pending, {}
         for callback in pending.values():
@@ -281,20 +306,56 @@ class ShardGroup(SyncObj):
             logger.exception("on_role_change(%r) raised", self._role)
 
     def _write_snapshot(self, path: str, data: tuple) -> None:
+        """pysyncobj's serializer hook (tick thread): take the state's view, start the writer."""
         last_entry, prev_entry, cluster = data
-        started = time.monotonic()
+        if self._compaction is not None:  # pysyncobj does not call us while we report SERIALIZING
+            return
         try:
-            snap = snapshot_file.RaftSnapshot(
-                last_entry=(bytes(last_entry[0]), last_entry[1], last_entry[2]),
-                prev_entry=(bytes(prev_entry[0]), prev_entry[1], prev_entry[2]),
-                members=tuple(sorted(node.address for node in cluster)),
-                state=self._snapshot_state())
-            snapshot_file.write(path, snap)
-        except Exception:  # pysyncobj only logs "Failed to store full dump"; say why first
-            logger.exception("raft snapshot at entry %d failed", last_entry[1])
-            raise
-        logger.info("raft snapshot at entry %d: %d state bytes in %.3f s (tick thread)",
-                    last_entry[1], len(snap.state), time.monotonic() - started)
+            state = self._snapshot_state()
+        except Exception:
+            logger.exception("raft snapshot at entry %d: taking the state failed", last_entry[1])
+            self._compaction = _Compaction.failed(last_entry[1])
+            return
+        snap = snapshot_file.RaftSnapshot(
+            last_entry=(bytes(last_entry[0]), last_entry[1], last_entry[2]),
+            prev_entry=(bytes(prev_entry[0]), prev_entry[1], prev_entry[2]),
+            members=tuple(sorted(node.address for node in cluster)),
+            state=b"")
+        self.compactions["started"] += 1
+        self._compaction = _Compaction(snap, state, str(self._dump_path) + ".partial", self._installs)
+        self._compaction.start()
+
+    def _check_snapshot(self) -> int:
+        """pysyncobj's serializeChecker (tick thread): the running compaction's state; renames the
+        finished file into place before answering SUCCESS (pysyncobj then truncates the log)."""
+        job = self._compaction
+        if job is None:
+            return SERIALIZER_STATE.NOT_SERIALIZING
+        if job.thread is not None and job.thread.is_alive():
+            return SERIALIZER_STATE.SERIALIZING
+        self._compaction = None
+        if job.error is not None:
+            self.compactions["failed"] += 1
+            logger.error("raft snapshot at entry %d failed: %r", job.index, job.error)
+            return SERIALIZER_STATE.FAILED
+        if job.installs != self._installs:  # a leader's snapshot replaced the state meanwhile
+            self.compactions["discarded"] += 1
+            _unlink(job.partial)
+            logger.info("raft snapshot at entry %d discarded: a newer one was installed", job.index)
+            return SERIALIZER_STATE.FAILED
+        try:
+            os.replace(job.partial, self._dump_path)
+            _fsync_dir(self._dump_path.parent)
+        except OSError as exc:
+            self.compactions["failed"] += 1
+            logger.error("raft snapshot at entry %d could not be put in place: %s", job.index, exc)
+            return SERIALIZER_STATE.FAILED
+        self.compactions["succeeded"] += 1
+        self.compactions["last_seconds"] = round(job.seconds, 3)
+        self.compactions["last_bytes"] = job.nbytes
+        logger.info("raft snapshot at entry %d: %d bytes written in %.3f s (writer thread)",
+                    job.index, job.nbytes, job.seconds)
+        return SERIALIZER_STATE.SUCCESS
 
     def _read_snapshot(self, path: str) -> tuple:
         try:
@@ -304,6 +365,66 @@ class ShardGroup(SyncObj):
             logger.critical("raft snapshot %s could not be loaded", path, exc_info=True)
             raise
         self._applied_bytes = 0
+        self._installs += 1
         logger.info("raft snapshot loaded: entry %d, %d state bytes", snap.last_entry[1],
                     len(snap.state))
         return snap.last_entry, snap.prev_entry, {TCPNode(m) for m in snap.members}
+
+
+class _Compaction:
+    """One log compaction's writer thread: encodes the state view and writes ``partial``."""
+
+    def __init__(self, snap: snapshot_file.RaftSnapshot | None, state: Any, partial: str,
+                 installs: int) -> None:
+        self.snap = snap
+        self.state = state
+        self.partial = partial
+        self.installs = installs
+        self.index = snap.last_entry[1] if snap is not None else -1
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        self.seconds = 0.0
+        self.nbytes = 0
+
+    @classmethod
+    def failed(cls, index: int) -> "_Compaction":
+        job = cls(None, None, "", 0)
+        job.index = index
+        job.error = RuntimeError("taking the state failed (see the log)")
+        return job
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name=f"kvps-compaction-{self.index}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            assert self.snap is not None
+            state = self.state() if callable(self.state) else self.state
+            snap = snapshot_file.RaftSnapshot(self.snap.last_entry, self.snap.prev_entry,
+                                              self.snap.members, state)
+            snapshot_file.write(self.partial, snap)
+            self.nbytes = os.path.getsize(self.partial)
+        except BaseException as exc:  # reported through the checker, on the tick thread
+            self.error = exc
+            _unlink(self.partial)
+        finally:
+            self.state = None  # let the view's arrays go
+            self.seconds = time.monotonic() - started
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

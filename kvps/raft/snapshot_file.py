@@ -16,14 +16,16 @@ Layout (little-endian)::
              state       '<Q' length; the state machine's own snapshot bytes
 
 Everything is checked (magic, version, lengths, CRC) before any of it is used; any problem is
-``CodecError``. The file is fsynced before pysyncobj renames it into place, because the journal is
-truncated right after a successful compaction.
+``CodecError``. The file is fsynced before it is renamed into place, because the journal is
+truncated right after a successful compaction. ``state`` may be given as a list of buffers (the
+parts of the state's frame), written one after the other without joining them.
 """
 from __future__ import annotations
 
 import os
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +48,7 @@ class RaftSnapshot:
     last_entry: Entry
     prev_entry: Entry
     members: tuple[str, ...]
-    state: bytes
+    state: bytes | memoryview | Sequence[bytes | memoryview]
 
 
 def write(path: str | Path, snap: RaftSnapshot) -> None:
@@ -59,7 +61,9 @@ def write(path: str | Path, snap: RaftSnapshot) -> None:
     for member in snap.members:
         raw = member.encode()
         parts += [_U32.pack(len(raw)), raw]
-    parts += [_U64.pack(len(snap.state)), snap.state]
+    state = [snap.state] if isinstance(snap.state, (bytes, bytearray, memoryview)) else list(snap.state)
+    state = [memoryview(p).cast("B") for p in state]
+    parts += [_U64.pack(sum(len(p) for p in state)), *state]
     crc = 0
     size = 0
     for part in parts:
@@ -104,7 +108,7 @@ def read(path: str | Path) -> RaftSnapshot:
         except UnicodeDecodeError as exc:
             raise CodecError(f"raft snapshot {path}: bad member name", path=str(path)) from exc
     (length,) = reader.unpack(_U64)
-    state = reader.take(length)
+    state = reader.view(length)
     if reader.remaining:
         raise CodecError(f"raft snapshot {path}: {reader.remaining} trailing bytes", path=str(path))
     return RaftSnapshot(entries[0], entries[1], tuple(members), state)
@@ -124,6 +128,13 @@ class _Reader:
         if n > self.remaining:
             raise CodecError(f"raft snapshot {self._path}: truncated body", path=self._path)
         out = bytes(self._body[self._pos:self._pos + n])
+        self._pos += n
+        return out
+
+    def view(self, n: int) -> memoryview:
+        if n > self.remaining:
+            raise CodecError(f"raft snapshot {self._path}: truncated body", path=self._path)
+        out = self._body[self._pos:self._pos + n]
         self._pos += n
         return out
 
