@@ -61,7 +61,8 @@ def _stop_event() -> asyncio.Event:
 
 # ---- kvps replica (started by a node) ---------------------------------------------------------
 
-async def _run_replica(config: Path, node_id: int, shard: int) -> None:
+async def _run_replica(config: Path, node_id: int, shard: int, peers: list[str] | None = None,
+                       joining: bool = False) -> None:
     from aiohttp import web
 
     from kvps.auth import TokenStore
@@ -77,7 +78,8 @@ async def _run_replica(config: Path, node_id: int, shard: int) -> None:
     node = cfg.node(node_id)
     secret = (base / cfg.secret_file).read_bytes().strip()
     tokens = TokenStore(base / cfg.token_file)
-    replica = Replica(cfg, node_id, shard, secret=secret, data_dir=base / node.data_dir)
+    replica = Replica(cfg, node_id, shard, secret=secret, data_dir=base / node.data_dir,
+                      peers=peers, joining=joining)
     stop = _stop_event()
     await replica.start()
     runner = web.AppRunner(make_app(replica, tokens), access_log=None)
@@ -248,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--config", required=True)
     rep.add_argument("--node", type=int, required=True)
     rep.add_argument("--shard", type=int, required=True)
+    rep.add_argument("--peers", help="raft addresses of the other members, comma-separated "
+                                     "(default: the config's placement)")
+    rep.add_argument("--join", action="store_true", help="join an existing group (a moved replica)")
 
     st = sub.add_parser("status", help="shards, leaders, terms, health")
     st.add_argument("--endpoint", default=os.environ.get("KVPS_ENDPOINT", DEFAULT_ENDPOINT))
@@ -317,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["KVPS_LOG_FORMAT"] = args.log_format  # child processes log the same way
     try:
         if args.command == "replica":
-            asyncio.run(_run_replica(Path(args.config).resolve(), args.node, args.shard))
+            peers = None if args.peers is None else [p for p in args.peers.split(",") if p]
+            asyncio.run(_run_replica(Path(args.config).resolve(), args.node, args.shard, peers,
+                                     args.join))
         elif args.command == "node":
             asyncio.run(_run_node(Path(args.config).resolve(), args.id))
         elif args.command == "up":

@@ -23,6 +23,7 @@ from kvps.command import ClockTick, CreateKey, CreateTable, DeleteKey, Set, SetR
 from kvps.delta import frame
 from kvps.errors import InvalidRequest, KvpsError, RequestTooLarge, Timeout
 from kvps.history import xor_delta
+from kvps.membership import membership_rpc
 from kvps.merge import PushRequest, content_digest
 from kvps.placement import DenseLayout
 from kvps.metrics import CONTENT_TYPE
@@ -373,4 +374,5 @@ HANDLERS: dict[str, Handler] = {
     "state_hash": _state_hash,
     "clock_tick": _clock_tick,
     "clocks": _clocks,
+    "membership": membership_rpc,
 }

@@ -7,7 +7,11 @@ replica's ``/v1/status`` and answers ``/healthz``, ``/readyz``, ``/v1/node`` (it
 from __future__ import annotations
 
 import asyncio
+import hmac
+import json
 import logging
+import os
+import shutil
 import ssl
 import subprocess
 import time
@@ -18,8 +22,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvps.assignment import Assignment
 from kvps.config import ClusterConfig
-from kvps.errors import KvpsError
+from kvps.errors import InvalidRequest, KvpsError, Unauthorized
 from kvps.metrics import CONTENT_TYPE, NodeMetrics, merge_expositions
 from kvps.openapi import document
 from kvps.process import python_module_args, spawn, stop_process
@@ -65,7 +70,10 @@ class Node:
         self.config_path = config_path
         self.data_dir = data_dir
         self.token = token
-        self.replicas = {s: ReplicaProcess(s) for s in cfg.shards_on(node_id)}
+        # Which shards this node hosts: the config's placement until replicas move
+        # (kvps/rebalance.py pushes new assignments; persisted so a restart keeps them).
+        self.assignment = self._load_assignment()
+        self.replicas = {s: ReplicaProcess(s) for s in self.assignment.shards_of(node_id)}
         self._stopping = False
         self._session: aiohttp.ClientSession | None = None
         self.metrics = NodeMetrics(node_id)
@@ -74,7 +82,8 @@ class Node:
 
     def _start(self, rp: ReplicaProcess) -> None:
         args = python_module_args("kvps.cli", "replica", "--config", str(self.config_path),
-                                  "--node", str(self.node_id), "--shard", str(rp.shard))
+                                  "--node", str(self.node_id), "--shard", str(rp.shard),
+                                  *self._membership_args(rp.shard))
         log_path = self.data_dir / "logs" / f"shard-{rp.shard}.log"
         rp.proc = spawn(args, log_path, env=REPLICA_ENV)
         rp.started_at = time.monotonic()
@@ -100,6 +109,61 @@ class Node:
                 self.metrics.replica_restarts.labels(shard=str(rp.shard), node=str(self.node_id)).inc()
             if now >= rp.next_start:
                 self._start(rp)
+
+    def _membership_args(self, shard: int) -> list[str]:
+        """``--peers`` (the other members now) and, for a replica placed here by a move that has
+        no data yet, ``--join``: it joins the existing group instead of bootstrapping one."""
+        peers = [self.cfg.node(n).raft_address(shard) for n in self.assignment.nodes_of(shard)
+                 if n != self.node_id]
+        args = ["--peers", ",".join(peers)]
+        shard_dir = self.data_dir / f"shard-{shard}"
+        if self.assignment.epochs[shard] > 0 and not (shard_dir.exists() and any(shard_dir.iterdir())):
+            args.append("--join")
+        return args
+
+    # ---- assignment (which shards this node hosts) ---------------------------------------------
+
+    def _load_assignment(self) -> Assignment:
+        path = self.data_dir / "assignment.json"
+        if path.exists():
+            return Assignment.from_json(json.loads(path.read_text()))
+        return Assignment.initial(self.cfg)
+
+    async def set_assignment(self, new: Assignment) -> bool:
+        """Follow ``new`` if it is newer: start replicas for shards placed here (the supervisor
+        loop starts them), stop the ones moved away and delete their data. False if not newer."""
+        if len(new.shards) != self.cfg.shards:
+            raise InvalidRequest(f"assignment has {len(new.shards)} shards, the cluster "
+                                 f"{self.cfg.shards}", field="assignment")
+        if new.version <= self.assignment.version:
+            return False
+        path = self.data_dir / "assignment.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(new.to_json()))
+        os.replace(tmp, path)
+        self.assignment = new
+        wanted = set(new.shards_of(self.node_id))
+        for shard in sorted(wanted - set(self.replicas)):
+            self.replicas[shard] = ReplicaProcess(shard)
+            log.info("node %d: now hosts shard %d (assignment %d)", self.node_id, shard, new.version)
+        gone = [self.replicas.pop(s) for s in sorted(set(self.replicas) - wanted)]
+        if gone:
+            await asyncio.to_thread(self._retire, gone)
+        return True
+
+    def _retire(self, gone: list[ReplicaProcess]) -> None:
+        for rp in gone:
+            if rp.proc is not None:
+                stop_process(rp.proc, timeout=5.0)
+            # Its Raft group no longer counts it: a stale journal must never rejoin it.
+            shutil.rmtree(self.data_dir / f"shard-{rp.shard}", ignore_errors=True)
+            log.info("node %d: stopped hosting shard %d; its data is deleted", self.node_id, rp.shard)
+
+    def _check_token(self, request: web.Request) -> None:
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            raise Unauthorized("missing or wrong token")
 
     async def _poll_once(self) -> None:
         assert self._session is not None
@@ -161,7 +225,7 @@ class Node:
                 return None
 
         views = await asyncio.gather(*(fetch(n.id) for n in self.cfg.nodes))
-        return build_cluster_map(self.cfg, views)
+        return build_cluster_map(self.cfg, views, self.assignment)
 
     # ---- HTTP --------------------------------------------------------------------------------
 
@@ -211,6 +275,24 @@ class Node:
         app.router.add_get("/v1/node", node)
         app.router.add_get("/v1/cluster", cluster)
         app.router.add_get("/v1/shards/{id}", shard)
+
+        async def get_assignment(request: web.Request) -> web.Response:
+            return web.json_response(self.assignment.to_json())
+
+        async def put_assignment(request: web.Request) -> web.Response:
+            try:
+                self._check_token(request)
+                try:
+                    new = Assignment.from_json(await request.json())
+                except ValueError as exc:
+                    raise InvalidRequest(f"body is not JSON: {exc}") from exc
+                changed = await self.set_assignment(new)
+            except KvpsError as exc:
+                return web.json_response(exc.to_dict(), status=exc.http_status)
+            return web.json_response({**self.assignment.to_json(), "changed": changed})
+
+        app.router.add_get("/v1/assignment", get_assignment)
+        app.router.add_put("/v1/assignment", put_assignment)
         async def openapi(request: web.Request) -> web.Response:
             return web.json_response(document())
 
@@ -289,8 +371,10 @@ class Node:
                 stop_process(rp.proc, timeout=5.0)
 
 
-def build_cluster_map(cfg: ClusterConfig, views: list[dict[str, Any] | None]) -> dict[str, Any]:
+def build_cluster_map(cfg: ClusterConfig, views: list[dict[str, Any] | None],
+                      assignment: Assignment | None = None) -> dict[str, Any]:
     """Merge per-node views into the cluster map clients route with."""
+    assignment = assignment or Assignment.initial(cfg)
     by_replica: dict[tuple[int, int], dict] = {}
     nodes = []
     for node_cfg, view in zip(cfg.nodes, views):
@@ -300,7 +384,7 @@ def build_cluster_map(cfg: ClusterConfig, views: list[dict[str, Any] | None]) ->
     shards = []
     for s in range(cfg.shards):
         reps = []
-        for n in cfg.replica_nodes(s):
+        for n in assignment.nodes_of(s):
             rep = by_replica.get((s, n)) or {
                 "shard": s, "node": n, "alive": False, "pid": None, "role": "unknown",
                 "raft": cfg.node(n).raft_address(s), "data_url": cfg.node(n).data_url(s),
@@ -317,7 +401,8 @@ def build_cluster_map(cfg: ClusterConfig, views: list[dict[str, Any] | None]) ->
         })
     return {
         "cluster": {"shards": cfg.shards, "replicas": cfg.replicas, "block_bytes": cfg.block_bytes,
-                    "max_push_bytes": cfg.raft.max_command_bytes // 2},
+                    "max_push_bytes": cfg.raft.max_command_bytes // 2,
+                    "assignment_version": assignment.version},
         "nodes": nodes,
         "shards": shards,
     }

@@ -71,6 +71,10 @@ KEYS = {"type": "object", "required": ["keys"],
             "properties": {"key": _str, "kind": {"enum": ["dense", "table"]}, "dtype": _str}}}}}
 READY = {"type": "object", "required": ["ready"],
          "properties": {"ready": _bool, "shards_without_leader": {"type": "array", "items": _int}}}
+ASSIGNMENT = {"type": "object", "required": ["version", "shards"],
+              "properties": {"version": _int, "changed": _bool, "shards": {"type": "array", "items": {
+                  "type": "object", "required": ["id", "nodes", "epoch"],
+                  "properties": {"id": _int, "nodes": {"type": "array", "items": _int}, "epoch": _int}}}}}
 ERROR = {"type": "object", "required": ["error", "message"],
          "properties": {"error": _str, "message": _str, "fields": {"type": "object"}}}
 
@@ -97,6 +101,13 @@ ADMIN_PATHS: dict[str, dict[str, Any]] = {
         "parameters": [{"name": "id", "in": "path", "required": True, "schema": _int}],
         "responses": {"200": _json(SHARD_DETAIL), "404": _json(ERROR, "no such shard")}}},
     "/v1/keys": {"get": {"summary": "Every key (dense and tables)", "responses": {"200": _json(KEYS)}}},
+    "/v1/assignment": {
+        "get": {"summary": "Which nodes host each shard's replicas, as this node follows it",
+                "responses": {"200": _json(ASSIGNMENT)}},
+        "put": {"summary": "Follow a newer assignment (start and retire replicas); used by replica moves",
+                "security": [{"bearer": []}],
+                "requestBody": {"required": True, "content": {"application/json": {"schema": ASSIGNMENT}}},
+                "responses": {"200": _json(ASSIGNMENT), "400": _json(ERROR), "401": _json(ERROR)}}},
     "/v1/openapi.json": {"get": {"summary": "This document", "responses": {"200": _json({"type": "object"})}}},
 }
 
@@ -107,7 +118,7 @@ DATA_PATHS: dict[str, dict[str, Any]] = {
         "security": _BEARER,
         "parameters": [{"name": "op", "in": "path", "required": True, "schema": {"enum": [
             "push", "pull", "pull_rows", "stored_rows", "set_rows", "create_key", "create_table", "delete_key", "set",
-            "describe", "keys", "state_hash", "clock_tick", "clocks"]}}],
+            "describe", "keys", "state_hash", "clock_tick", "clocks", "membership"]}}],
         "requestBody": {"required": True, "content": {"application/x-kvps-frame": {"schema": _str}}},
         "responses": {"200": {"description": "response frame",
                               "content": {"application/x-kvps-frame": {"schema": _str}}},

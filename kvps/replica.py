@@ -33,6 +33,7 @@ from kvps.history import BlockHistory
 from kvps.merge import PushRequest, is_finite, request_bytes
 from kvps.metrics import ReplicaMetrics
 from kvps.raft import bridge
+from kvps.raft import membership as raft_membership
 from kvps.raft.group import ShardGroup
 from kvps.shard import ShardState
 
@@ -40,16 +41,23 @@ __all__ = ["Replica"]
 
 log = logging.getLogger("kvps.replica")
 
+# A joining replica starts no election for this long: the leader reaches it well before.
+JOIN_ELECTION_HOLD = 10.0
+
 
 class Replica:
     def __init__(self, cfg: ClusterConfig, node_id: int, shard: int, *, secret: bytes,
-                 data_dir: Path) -> None:
+                 data_dir: Path, peers: list[str] | None = None, joining: bool = False) -> None:
         self.cfg = cfg
         self.node_id = node_id
         self.shard = shard
         self.address = cfg.node(node_id).raft_address(shard)
-        self._data_urls = {cfg.node(n).raft_address(shard): cfg.node(n).data_url(shard)
-                           for n in cfg.replica_nodes(shard)}
+        # Members move between nodes (kvps/rebalance.py): know every node's replica of this shard.
+        self._data_urls = {n.raft_address(shard): n.data_url(shard) for n in cfg.nodes}
+        # Raft addresses of the other members at start (None: the config's placement), and whether
+        # this replica joins an existing group (kvps/raft/membership.py: it must not elect itself).
+        self._peers = peers
+        self._joining = joining
         self._lock = threading.Lock()
         self._state = self._new_state()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -81,13 +89,16 @@ class Replica:
         self._loop = asyncio.get_running_loop()
         self._batcher = PushBatcher(self._propose, self.merge_mode, self.cfg.server,
                                     on_batch=self._count_batch)
-        peers = [self.cfg.node(n).raft_address(self.shard)
-                 for n in self.cfg.replica_nodes(self.shard) if n != self.node_id]
+        peers = self._peers if self._peers is not None else [
+            self.cfg.node(n).raft_address(self.shard)
+            for n in self.cfg.replica_nodes(self.shard) if n != self.node_id]
         self._group = ShardGroup(
             self_address=self.address, peers=peers, raft=self.cfg.raft, secret=self._secret,
             context=f"kvps/shard={self.shard}", journal_dir=self._journal_dir,
             applier=self._apply, snapshot_state=self._snapshot_state,
             restore_state=self._restore_state, on_role_change=self._on_role_change)
+        if self._joining:
+            raft_membership.hold_elections(self._group, JOIN_ELECTION_HOLD)
 
     async def stop(self) -> None:
         if self._barrier_task is not None:
@@ -449,9 +460,9 @@ class Replica:
     def _node_of(self, address: str | None) -> int | None:
         if address is None:
             return None
-        for n in self.cfg.replica_nodes(self.shard):
-            if self.cfg.node(n).raft_address(self.shard) == address:
-                return n
+        for n in self.cfg.nodes:
+            if n.raft_address(self.shard) == address:
+                return n.id
         return None
 
 

@@ -169,7 +169,15 @@ def test_node_admin_routes_are_read_only(cluster):
               if r.method != "HEAD"}
     assert routes == {("GET", p) for p in ("/healthz", "/readyz", "/metrics", "/v1/node",
                                           "/v1/cluster", "/v1/shards/{id}", "/v1/keys",
-                                          "/v1/openapi.json")}
+                                          "/v1/openapi.json", "/v1/assignment")} \
+        | {("PUT", "/v1/assignment")}
+    # the one mutating route demands the token
+    for token in (None, "wrong-token", ""):
+        req = urllib.request.Request(cluster.endpoints[0] + "/v1/assignment", data=b"{}", method="PUT",
+                                     headers={"Authorization": f"Bearer {token}"} if token is not None else {})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=5)
+        assert err.value.code == 401
 
 
 def test_token_rotation_without_downtime(cluster):

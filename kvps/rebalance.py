@@ -1,0 +1,279 @@
+"""Moving shard replicas between nodes while the shard serves: one replica, one change at a time.
+
+A move of shard ``s``'s replica from node ``source`` to node ``target``:
+
+1. **place** the target: a new assignment lists ``target`` next to the current members; the
+   target's node starts a replica that joins the group (``--join``, peers = the members);
+2. **add** it to the Raft group through the leader (``membership`` RPC); the group now has
+   4 members and commits with 3, so it keeps a majority while the newcomer is empty;
+3. **catch up**: wait until the target has applied the leader's commit index as of the add
+   (through log replay, or a snapshot install when the leader has compacted its log);
+4. **lead elsewhere**: if the source leads, transfer leadership to another caught-up member
+   (pysyncobj will not let a leader remove itself);
+5. **remove** the source from the Raft group through the (new) leader;
+6. **retire**: a new assignment without ``source``; its node stops the replica and deletes its
+   data (it must never rejoin with a stale journal).
+
+Every step is idempotent (re-adding a member or re-removing a non-member is a no-op), so a move
+interrupted anywhere is finished by running it again with the same arguments. Pushes keep
+flowing: a leader change answers pending pushes as unknown outcome, and clients retry them with
+the same push id, which the replicated applied table deduplicates.
+
+Where assignments live is an ``AssignmentStore``: ``NodeFanout`` (every node holds a copy, pushed
+with ``PUT /v1/assignment``).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+
+from kvps.assignment import Assignment
+from kvps.config import NodeConfig
+from kvps.delta import frame
+from kvps.errors import (
+    InvalidRequest, KvpsError, RetryableError, Timeout, Unavailable, error_from_dict,
+)
+
+__all__ = ["AssignmentStore", "MoveReport", "Mover", "NodeFanout"]
+
+log = logging.getLogger("kvps.rebalance")
+
+_POLL = 0.05
+
+
+class AssignmentStore(Protocol):
+    async def get(self) -> Assignment: ...
+
+    async def put(self, new: Assignment) -> Assignment: ...
+
+
+@dataclass
+class MoveReport:
+    shard: int
+    source: int
+    target: int
+    seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+    caught_up_index: int = 0
+    leader_moved: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shard": self.shard, "source": self.source, "target": self.target,
+                "seconds": round(self.seconds, 3),
+                "phases": {k: round(v, 3) for k, v in self.phases.items()},
+                "caught_up_index": self.caught_up_index, "leader_moved": self.leader_moved}
+
+
+class _Http:
+    """The few admin and data-plane calls a move makes; errors become kvps errors here."""
+
+    def __init__(self, session: aiohttp.ClientSession, token: str, timeout: float = 5.0) -> None:
+        self.session = session
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+
+    async def json(self, method: str, url: str, body: Any = None) -> Any:
+        try:
+            async with self.session.request(method, url, json=body, headers=self.headers,
+                                            timeout=self.timeout) as resp:
+                data = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise Unavailable(f"{method} {url}: {type(exc).__name__}: {exc}", url=url) from exc
+        return _decode(status, data, url, json_body=True)
+
+    async def rpc(self, data_url: str, op: str, meta: dict) -> dict:
+        url = f"{data_url}/v1/rpc/{op}"
+        body = frame.encode(frame.KIND_REQUEST, meta)
+        try:
+            async with self.session.post(url, data=body, headers=self.headers,
+                                         timeout=self.timeout) as resp:
+                data = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise Unavailable(f"POST {url}: {type(exc).__name__}: {exc}", url=url) from exc
+        return _decode(status, data, url, json_body=False)
+
+
+def _decode(status: int, data: bytes, url: str, *, json_body: bool) -> Any:
+    if status != 200:
+        try:
+            error = error_from_dict(json.loads(data))
+        except ValueError:
+            error = Unavailable(f"{url}: HTTP {status}", url=url)
+        raise error
+    if json_body:
+        return json.loads(data)
+    return frame.decode(data, kinds=(frame.KIND_RESPONSE,)).meta
+
+
+class NodeFanout:
+    """Assignments held by every node: ``get`` reads the newest any node has; ``put`` sends the new
+    one to every node and fails unless every node took it (retrying the move finishes it)."""
+
+    def __init__(self, http: _Http, nodes: Callable[[], list[NodeConfig]]) -> None:
+        self.http = http
+        self.nodes = nodes
+
+    async def get(self) -> Assignment:
+        found = await asyncio.gather(*(self._get(n) for n in self.nodes()))
+        found = [a for a in found if a is not None]
+        if not found:
+            raise Unavailable("no node answered with its assignment")
+        return max(found, key=lambda a: a.version)
+
+    async def _get(self, node: NodeConfig) -> Assignment | None:
+        try:
+            return Assignment.from_json(await self.http.json("GET", node.admin_url + "/v1/assignment"))
+        except KvpsError:
+            return None
+
+    async def put(self, new: Assignment) -> Assignment:
+        nodes = self.nodes()
+        results = await asyncio.gather(*(self.http.json("PUT", n.admin_url + "/v1/assignment",
+                                                        new.to_json()) for n in nodes),
+                                       return_exceptions=True)
+        for node, res in zip(nodes, results):
+            if isinstance(res, BaseException):
+                log.warning("node %d did not take assignment %d: %s", node.id, new.version, res)
+                raise res if isinstance(res, KvpsError) else Unavailable(str(res))
+        return new
+
+
+class Mover:
+    """Runs moves (see the module doc). ``nodes(id)`` gives a node's addresses."""
+
+    def __init__(self, http: _Http, store: AssignmentStore, node: Callable[[int], NodeConfig], *,
+                 timeout: float = 300.0) -> None:
+        self.http = http
+        self.store = store
+        self.node = node
+        self.timeout = timeout
+
+    @classmethod
+    def over_http(cls, session: aiohttp.ClientSession, token: str, store_nodes: Callable[[], list[NodeConfig]],
+                  node: Callable[[int], NodeConfig], **kw: Any) -> "Mover":
+        http = _Http(session, token)
+        return cls(http, NodeFanout(http, store_nodes), node, **kw)
+
+    # ---- observation ----------------------------------------------------------------------
+
+    async def status(self, node_id: int, shard: int) -> dict | None:
+        try:
+            return await self.http.json("GET", self.node(node_id).data_url(shard) + "/v1/status")
+        except KvpsError:
+            return None
+
+    async def leader(self, shard: int, members: list[int], deadline: float) -> int:
+        """The node whose replica of ``shard`` is the serving leader (waits for one)."""
+        while True:
+            statuses = await asyncio.gather(*(self.status(n, shard) for n in members))
+            serving = [(st["term"], n) for n, st in zip(members, statuses) if st and st.get("serving")]
+            if serving:
+                return max(serving)[1]
+            _check(deadline, f"a serving leader of shard {shard}")
+            await asyncio.sleep(_POLL)
+
+    async def _membership(self, shard: int, members: list[int], op: str, address: str,
+                          deadline: float) -> dict:
+        while True:
+            leader = await self.leader(shard, members, deadline)
+            try:
+                return await self.http.rpc(self.node(leader).data_url(shard), "membership",
+                                           {"op": op, "address": address})
+            except RetryableError as exc:  # not the leader any more, or a change still pending
+                log.info("shard %d: membership %s %s: %s; retrying", shard, op, address, exc)
+            _check(deadline, f"shard {shard} membership {op} {address}")
+            await asyncio.sleep(_POLL)
+
+    # ---- the move ----------------------------------------------------------------------------
+
+    async def move(self, shard: int, source: int, target: int) -> MoveReport:
+        report = MoveReport(shard, source, target)
+        started = time.monotonic()
+        deadline = started + self.timeout
+        mark = started
+
+        def phase(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            report.phases[name] = now - mark
+            mark = now
+
+        assignment = await self.store.get()
+        nodes = list(assignment.nodes_of(shard))
+        if source not in nodes and target in nodes:
+            report.seconds = time.monotonic() - started
+            return report  # done already
+        if source not in nodes:
+            raise InvalidRequest(f"shard {shard} has no replica on node {source}", field="source")
+        # 1. place the target
+        if target not in nodes:
+            assignment = await self.store.put(assignment.with_shard(shard, nodes + [target]))
+        members = list(assignment.nodes_of(shard))
+        old = [n for n in members if n != target]
+        while await self.status(target, shard) is None:
+            _check(deadline, f"node {target} to start its replica of shard {shard}")
+            await asyncio.sleep(_POLL)
+        phase("place")
+        # 2. add it to the Raft group
+        target_addr = self.node(target).raft_address(shard)
+        added = await self._membership(shard, old, "add", target_addr, deadline)
+        commit = int(added["commit_index"])
+        phase("add")
+        # 3. wait until it has applied everything committed as of the add
+        while True:
+            st = await self.status(target, shard)
+            if st is not None and (st.get("applied_index") or 0) >= commit:
+                report.caught_up_index = int(st["applied_index"])
+                break
+            _check(deadline, f"node {target}'s replica of shard {shard} to reach index {commit}")
+            await asyncio.sleep(_POLL)
+        phase("catch_up")
+        # 4. leadership away from the source
+        rest = [n for n in members if n != source]
+        while await self.leader(shard, members, deadline) == source:
+            report.leader_moved = True
+            for candidate in rest:
+                try:
+                    await self.http.rpc(self.node(source).data_url(shard), "membership",
+                                        {"op": "transfer", "address": self.node(candidate).raft_address(shard)})
+                except (RetryableError, InvalidRequest) as exc:
+                    log.info("shard %d: transfer to node %d refused (%s)", shard, candidate, exc)
+                    continue
+                await self._wait_leader_not(shard, members, source, min(deadline, time.monotonic() + 3.0))
+                break
+            _check(deadline, f"leadership of shard {shard} to leave node {source}")
+            await asyncio.sleep(_POLL / 5)
+        phase("transfer")
+        # 5. remove the source from the group
+        await self._membership(shard, rest, "remove", self.node(source).raft_address(shard), deadline)
+        phase("remove")
+        # 6. retire it
+        assignment = await self.store.get()
+        final = [n for n in assignment.nodes_of(shard) if n != source]
+        await self.store.put(assignment.with_shard(shard, final))
+        phase("retire")
+        report.seconds = time.monotonic() - started
+        log.info("shard %d: replica moved from node %d to node %d in %.2f s %s", shard, source,
+                 target, report.seconds, report.to_json()["phases"])
+        return report
+
+    async def _wait_leader_not(self, shard: int, members: list[int], source: int, until: float) -> None:
+        while time.monotonic() < until:
+            statuses = await asyncio.gather(*(self.status(n, shard) for n in members))
+            if any(st and st.get("serving") and n != source for n, st in zip(members, statuses)):
+                return
+            await asyncio.sleep(_POLL / 2)
+
+
+def _check(deadline: float, what: str) -> None:
+    if time.monotonic() > deadline:
+        raise Timeout(f"timed out waiting for {what}")
