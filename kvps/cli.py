@@ -68,7 +68,7 @@ async def _run_replica(config: Path, node_id: int, shard: int, peers: list[str] 
     from kvps.auth import TokenStore
     from kvps.dataplane import make_app
     from kvps.replica import Replica
-    from kvps.tls import server_context
+    from kvps.tls import client_context, server_context
 
     # Two busy threads share the GIL here (pysyncobj's tick thread and the event loop). With the
     # default 5 ms switch interval every hand-off between them can stall a commit by 5 ms.
@@ -80,6 +80,7 @@ async def _run_replica(config: Path, node_id: int, shard: int, peers: list[str] 
     tokens = TokenStore(base / cfg.token_file)
     replica = Replica(cfg, node_id, shard, secret=secret, data_dir=base / node.data_dir,
                       peers=peers, joining=joining)
+    replica.client_ssl = client_context(cfg, base)
     stop = _stop_event()
     await replica.start()
     runner = web.AppRunner(make_app(replica, tokens), access_log=None)
@@ -267,9 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--endpoint", default=os.environ.get("KVPS_ENDPOINT", DEFAULT_ENDPOINT))
         sp.add_argument("--token", default=os.environ.get("KVPS_TOKEN"))
         sp.add_argument("--cafile", default=os.environ.get("KVPS_CAFILE"))
+        if name == "export":
+            sp.add_argument("--snapshot", metavar="ID", help="export a snapshot instead of the live state")
         if name == "import":
             sp.add_argument("--optimizer", help='for keys it creates, e.g. \'{"name": "sgd", "lr": 0.1}\' '
                                                 "(default: add)")
+
+    from kvps import snapshot_cli
+    snapshot_cli.add_parser(sub)
 
     # Subcommands implemented in their own packages; they parse their own arguments.
     chaos = sub.add_parser("chaos", help="fault injection under training, with checks and a report",
@@ -332,7 +338,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "status":
             return _cmd_status(args)
         elif args.command == "export":
+            if args.snapshot:
+                from kvps.snapshot_cli import export_snapshot
+                return export_snapshot(args)
             return asyncio.run(_export(args))
+        elif args.command == "snapshot":
+            from kvps.snapshot_cli import run as snapshot_run
+            return snapshot_run(args)
         elif args.command == "import":
             return asyncio.run(_import(args))
         elif args.command == "chaos":

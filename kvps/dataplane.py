@@ -19,9 +19,9 @@ import numpy as np
 from aiohttp import web
 
 from kvps.auth import TokenStore
-from kvps.command import ClockTick, CreateKey, CreateTable, DeleteKey, Set, SetRows
+from kvps.command import SNAPSHOT_ID, ClockTick, CreateKey, CreateTable, DeleteKey, Set, SetRows, SnapshotStep
 from kvps.delta import frame
-from kvps.errors import InvalidRequest, KvpsError, RequestTooLarge, Timeout
+from kvps.errors import InvalidRequest, KeyNotFound, KvpsError, RequestTooLarge, Timeout
 from kvps.history import xor_delta
 from kvps.membership import membership_rpc
 from kvps.merge import PushRequest, content_digest
@@ -93,11 +93,29 @@ def make_app(replica: Replica, tokens: TokenStore) -> web.Application:
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
+    async def snapshot_file(request: web.Request) -> web.StreamResponse:
+        """This replica's file of a user snapshot (a replica that lacks it fetches it from here)."""
+        rid = request_id_of(request)
+        try:
+            tokens.check(request.headers.get("Authorization"))
+            snap_id = request.match_info["snap_id"]
+            if not SNAPSHOT_ID.match(snap_id):
+                raise InvalidRequest(f"bad snapshot id {snap_id!r}")
+            path = replica.snapshot_file_path(snap_id)
+            if not path.is_file():
+                raise KeyNotFound(f"no file of snapshot {request.match_info['snap_id']!r} here")
+        except KvpsError as exc:
+            return error_response(exc, rid)
+        return web.FileResponse(path, headers={"X-Request-Id": rid,
+                                               "Content-Type": "application/octet-stream"})
+
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=replica.expose_metrics(), headers={"Content-Type": CONTENT_TYPE})
 
     app.router.add_post("/v1/rpc/{op}", rpc)
     app.router.add_get("/v1/status", status)
+    app.router.add_get("/v1/snapshots/{snap_id}/file", snapshot_file)
+    replica.peer_token = lambda: (tokens.tokens() or (b"",))[0].decode()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     return app
@@ -359,6 +377,34 @@ async def _state_hash(replica: Replica, req: frame.Frame):
     return {"hash": replica.state_hash(), "applied_index": replica.group.status()["applied_index"]}, ()
 
 
+async def _snapshot_step(replica: Replica, req: frame.Frame):
+    m = req.meta
+    cmd = SnapshotStep(op=_field(m, "op", str), snap_id=_field(m, "snap_id", str),
+                       at=_field(m, "at", (int, float), 0.0), label=_field(m, "label", str, ""),
+                       digest=_field(m, "digest", str, ""), size=_field(m, "size", int, 0))
+    return {"result": await replica.snapshot_step(cmd)}, ()
+
+
+async def _snapshot_status(replica: Replica, req: frame.Frame):
+    """This replica's own view (no leader needed): the catalog entry and its file."""
+    return {**replica.snapshot_status(_field(req.meta, "snap_id", str)),
+            "replica": replica.address, "node": replica.node_id}, ()
+
+
+async def _snapshot_catalog(replica: Replica, req: frame.Frame):
+    await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
+    return {"snapshots": replica.snapshot_catalog()}, ()
+
+
+async def _snapshot_prepare(replica: Replica, req: frame.Frame):
+    m = req.meta
+    sources = _field(m, "sources", list, [])
+    if not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in sources):
+        raise InvalidRequest("sources must be data URLs", field="sources")
+    return await replica.snapshot_prepare(_field(m, "snap_id", str), _field(m, "digest", str),
+                                          sources, replica.peer_token()), ()
+
+
 HANDLERS: dict[str, Handler] = {
     "push": _push,
     "pull": _pull,
@@ -375,4 +421,8 @@ HANDLERS: dict[str, Handler] = {
     "clock_tick": _clock_tick,
     "clocks": _clocks,
     "membership": membership_rpc,
+    "snapshot_step": _snapshot_step,
+    "snapshot_status": _snapshot_status,
+    "snapshot_catalog": _snapshot_catalog,
+    "snapshot_prepare": _snapshot_prepare,
 }

@@ -28,6 +28,7 @@ from kvps.errors import InvalidRequest, KvpsError, Unauthorized
 from kvps.metrics import CONTENT_TYPE, NodeMetrics, merge_expositions
 from kvps.openapi import document
 from kvps.process import python_module_args, spawn, stop_process
+from kvps.snapshot_api import SnapshotService
 
 __all__ = ["Node"]
 
@@ -77,6 +78,7 @@ class Node:
         self._stopping = False
         self._session: aiohttp.ClientSession | None = None
         self.metrics = NodeMetrics(node_id)
+        self.snapshots = SnapshotService(self)  # /v1/snapshots and the snapshot schedule
 
     # ---- supervision -------------------------------------------------------------------------
 
@@ -275,6 +277,7 @@ class Node:
         app.router.add_get("/v1/node", node)
         app.router.add_get("/v1/cluster", cluster)
         app.router.add_get("/v1/shards/{id}", shard)
+        self.snapshots.add_routes(app)
 
         async def get_assignment(request: web.Request) -> web.Response:
             return web.json_response(self.assignment.to_json())
@@ -355,12 +358,15 @@ class Node:
         await site.start()
         log.info("node %d: admin API on %s", self.node_id, me.admin_url)
         loop_task = asyncio.create_task(self._loop())
+        schedule_task = asyncio.create_task(self.snapshots.run_schedule())
         try:
             await stop.wait()
         finally:
             self._stopping = True
             loop_task.cancel()
-            await asyncio.gather(loop_task, return_exceptions=True)
+            schedule_task.cancel()
+            await asyncio.gather(loop_task, schedule_task, return_exceptions=True)
+            await self.snapshots.close()
             await asyncio.to_thread(self._stop_replicas)
             await runner.cleanup()
             await self._session.close()

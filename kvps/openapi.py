@@ -75,6 +75,16 @@ ASSIGNMENT = {"type": "object", "required": ["version", "shards"],
               "properties": {"version": _int, "changed": _bool, "shards": {"type": "array", "items": {
                   "type": "object", "required": ["id", "nodes", "epoch"],
                   "properties": {"id": _int, "nodes": {"type": "array", "items": _int}, "epoch": _int}}}}}
+SNAPSHOT = {"type": "object", "required": ["id", "label", "created", "time", "size", "keys", "shards", "digests"],
+            "properties": {"id": _str, "label": _str, "created": {"type": "number"},
+                           "time": {"type": ["number", "null"]}, "size": _int, "keys": _int,
+                           "shards": _int, "complete": _bool,
+                           "digests": {"type": "object", "additionalProperties": _str}}}
+SNAPSHOTS = {"type": "object", "required": ["snapshots"],
+             "properties": {"snapshots": {"type": "array", "items": SNAPSHOT}}}
+RESTORED = {"type": "object", "required": ["restored", "time", "keys", "fetched_files"],
+            "properties": {"restored": _str, "time": {"type": "number"}, "label": _str, "keys": _int,
+                           "shards": _int, "fetched_files": _int}}
 ERROR = {"type": "object", "required": ["error", "message"],
          "properties": {"error": _str, "message": _str, "fields": {"type": "object"}}}
 
@@ -108,6 +118,30 @@ ADMIN_PATHS: dict[str, dict[str, Any]] = {
                 "security": [{"bearer": []}],
                 "requestBody": {"required": True, "content": {"application/json": {"schema": ASSIGNMENT}}},
                 "responses": {"200": _json(ASSIGNMENT), "400": _json(ERROR), "401": _json(ERROR)}}},
+    "/v1/snapshots": {
+        "get": {"summary": "Complete snapshots, oldest first (?all=1: unfinished ones too)",
+                "security": [{"bearer": []}],
+                "responses": {"200": _json(SNAPSHOTS), "401": _json(ERROR)}},
+        "post": {"summary": "Take a snapshot of every shard, consistent at its timestamp ({\"label\": ...})",
+                 "security": [{"bearer": []}],
+                 "responses": {"201": _json(SNAPSHOT), "400": _json(ERROR), "401": _json(ERROR),
+                               "503": _json(ERROR, "abandoned (nothing listed)")}}},
+    "/v1/snapshots/restore": {"post": {
+        "summary": "Restore the newest snapshot at or before {\"at\": unix time | ISO 8601}",
+        "security": [{"bearer": []}],
+        "responses": {"200": _json(RESTORED), "400": _json(ERROR), "401": _json(ERROR),
+                      "404": _json(ERROR, "no snapshot that early")}}},
+    "/v1/snapshots/{id}": {"delete": {
+        "summary": "Drop a snapshot (its files on every replica)", "security": [{"bearer": []}],
+        "parameters": [{"name": "id", "in": "path", "required": True, "schema": _str}],
+        "responses": {"200": _json({"type": "object", "properties": {"dropped": _bool}}),
+                      "401": _json(ERROR)}}},
+    "/v1/snapshots/{id}/restore": {"post": {
+        "summary": "Put every key back as it was in this snapshot (every replica checks its file first)",
+        "security": [{"bearer": []}],
+        "parameters": [{"name": "id", "in": "path", "required": True, "schema": _str}],
+        "responses": {"200": _json(RESTORED), "401": _json(ERROR), "404": _json(ERROR),
+                      "500": _json(ERROR, "a replica's file is damaged: nothing restored")}}},
     "/v1/openapi.json": {"get": {"summary": "This document", "responses": {"200": _json({"type": "object"})}}},
 }
 
@@ -118,7 +152,8 @@ DATA_PATHS: dict[str, dict[str, Any]] = {
         "security": _BEARER,
         "parameters": [{"name": "op", "in": "path", "required": True, "schema": {"enum": [
             "push", "pull", "pull_rows", "stored_rows", "set_rows", "create_key", "create_table", "delete_key", "set",
-            "describe", "keys", "state_hash", "clock_tick", "clocks", "membership"]}}],
+            "describe", "keys", "state_hash", "clock_tick", "clocks", "membership", "snapshot_step",
+            "snapshot_status", "snapshot_catalog", "snapshot_prepare"]}}],
         "requestBody": {"required": True, "content": {"application/x-kvps-frame": {"schema": _str}}},
         "responses": {"200": {"description": "response frame",
                               "content": {"application/x-kvps-frame": {"schema": _str}}},
@@ -127,6 +162,13 @@ DATA_PATHS: dict[str, dict[str, Any]] = {
                           ("404", "no such key"), ("409", "version conflict or key exists"),
                           ("413", "body too large"), ("421", "not the leader (fields.leader_hint)"),
                           ("429", "overloaded"), ("503", "unavailable"), ("504", "timeout")]}}}},
+    "/v1/snapshots/{snap_id}/file": {"get": {
+        "summary": "This replica's file of a user snapshot (replicas that lack it fetch it from here)",
+        "security": _BEARER,
+        "parameters": [{"name": "snap_id", "in": "path", "required": True, "schema": _str}],
+        "responses": {"200": {"description": "the snapshot file",
+                              "content": {"application/octet-stream": {"schema": _str}}},
+                      "401": _json(ERROR), "404": _json(ERROR)}}},
     "/v1/status": {"get": {"summary": "This replica's Raft status", "security": _BEARER,
                            "responses": {"200": _json({"type": "object"}), "401": _json(ERROR)}}},
     "/healthz": {"get": {"summary": "The replica process is up", "responses": {"200": _text("ok")}}},

@@ -11,8 +11,10 @@ earlier terms is applied here, so the duplicate check before merging sees all of
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
+import queue
 import threading
 import time
 from collections import Counter, deque
@@ -23,9 +25,12 @@ import numpy as np
 
 from kvps.batcher import PushBatcher
 from kvps.command import (
-    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Push, Set, SetRows, decode_command,
+    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Push, Set, SetRows, SnapshotStep,
+    decode_command,
 )
+from kvps import snapshot_store
 from kvps.config import ClusterConfig
+from kvps.delta import frame
 from kvps.errors import (
     CodecError, InvalidRequest, KeyNotFound, KvpsError, NotLeader, Unavailable,
 )
@@ -78,6 +83,22 @@ class Replica:
         self._journal_dir.mkdir(parents=True, exist_ok=True)
         self._group: ShardGroup | None = None
         self._secret = secret
+        # user snapshots (kvps.snapshots): files written by one writer thread, in apply order
+        self._data_dir = Path(data_dir)
+        swept = snapshot_store.sweep(self._data_dir, shard)
+        if swept:
+            log.info("shard %d: removed %d snapshot file(s) cut short by a crash", shard, swept)
+        self._snap_files: dict[str, dict] = {}  # id -> {"state": writing|written|failed, ...}
+        self._snap_jobs: queue.Queue = queue.Queue()
+        self._snap_writer = threading.Thread(target=self._snapshot_writer, daemon=True,
+                                             name=f"kvps-snapshots-{shard}")
+        self._snap_writer.start()
+        self._staged: dict[tuple[str, str], ShardState] = {}  # (id, digest) -> loaded, for restore
+        # acknowledgements held while a snapshot is being cut: {"snap", "deadline", "ids"}
+        self._hold: dict | None = None
+        # for fetching a snapshot file from a peer replica (set by the process wiring)
+        self.peer_token: Any = lambda: ""
+        self.client_ssl: Any = None
 
     def _new_state(self) -> ShardState:
         return ShardState(self.shard, session_ttl=self.cfg.server.session_ttl,
@@ -107,6 +128,8 @@ class Replica:
             await self._batcher.close()
         if self._group is not None:
             await asyncio.to_thread(self._group.stop)
+        self._snap_jobs.put(("stop", "", None, None))
+        await asyncio.to_thread(self._snap_writer.join, 60)
 
     @property
     def group(self) -> ShardGroup:
@@ -121,14 +144,235 @@ class Replica:
         except (CodecError, InvalidRequest) as exc:
             log.error("shard %d: undecodable log entry (%d bytes): %s", self.shard, len(data), exc)
             return InvalidRequest(f"undecodable command: {exc}")
-        with self._lock:
-            result = self._state.apply(cmd)
-            self._remember_blocks(cmd)
+        if isinstance(cmd, SnapshotStep):
+            result = self._apply_snapshot_step(cmd)
+        else:
+            with self._lock:
+                result = self._state.apply(cmd)
+                self._remember_blocks(cmd)
+                if self._hold is not None and isinstance(cmd, (Push, Set)):
+                    self._hold["ids"].update(_push_ids(cmd))
         if self._group is not None:  # pysyncobj advances lastApplied after we return
             self._applied_at.append((self._group.raftLastApplied + 1, time.monotonic()))
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._pulse_applied)
         return result
+
+    # ---- user snapshots (tick thread: apply; writer thread: files) ------------------------------
+
+    def _apply_snapshot_step(self, cmd: SnapshotStep) -> Any:
+        if cmd.op == "restore":
+            return self._apply_restore(cmd)
+        with self._lock:
+            before = self._state.snapshot_entry(cmd.snap_id)
+            result = self._state.apply(cmd)
+            if isinstance(result, KvpsError):
+                return result
+            if cmd.op == "cut" and (before is None or before["state"] == "pending"):
+                # This index is the snapshot: take the view now, write it off this thread, and
+                # hold the acknowledgements of later pushes until the timestamp is fixed.
+                meta, arrays = self._state.snapshot_parts()
+                if cmd.snap_id not in self._snap_files or self._snap_files[cmd.snap_id]["state"] == "failed":
+                    self._snap_files[cmd.snap_id] = {"state": "writing"}
+                    self._snap_jobs.put(("write", cmd.snap_id, meta, arrays))
+                if before is None:
+                    self._hold = {"snap": cmd.snap_id, "ids": set(),
+                                  "deadline": time.monotonic() + self.cfg.server.snapshot_hold}
+            elif cmd.op in ("seal", "drop") and self._hold is not None and self._hold["snap"] == cmd.snap_id:
+                self._hold = None
+            if cmd.op == "drop":
+                self._snap_files.pop(cmd.snap_id, None)
+                self._snap_jobs.put(("drop", cmd.snap_id, None, None))
+        return result
+
+    def _apply_restore(self, cmd: SnapshotStep) -> Any:
+        with self._lock:
+            err = self._state.check_restore(cmd)
+            loaded = self._staged.pop((cmd.snap_id, cmd.digest), None)
+        if err is not None:
+            return err
+        if loaded is None:  # not prepared here (down during the prepare, or restarted since)
+            loaded = self._load_or_fetch_blocking(cmd.snap_id, cmd.digest)
+        with self._lock:
+            result = self._state.apply_restore(cmd, loaded)
+            if not isinstance(result, KvpsError):
+                self._history = BlockHistory(depth=self.cfg.server.delta_depth,
+                                             max_bytes=self.cfg.server.delta_history_bytes)
+        if loaded is None and not isinstance(self._state.check_restore(cmd), KvpsError):
+            # Every other replica restores; this one cannot. Carrying on would diverge: stop, and
+            # let the supervisor restart it (it replays the log and tries again).
+            log.critical("shard %d: exiting rather than diverge from the other replicas", self.shard)
+            os._exit(70)
+        if not isinstance(result, KvpsError) and self._group is not None:
+            self._group.forceLogCompaction()  # so a restart does not need the file again
+        log.info("shard %d: restored snapshot %s: %s", self.shard, cmd.snap_id, result)
+        return result
+
+    def _load_or_fetch_blocking(self, snap_id: str, digest: str) -> ShardState | None:
+        """On the apply thread: this replica's file, else one fetched from a peer replica. Slow
+        (it stalls this replica's Raft tick), but only a replica that missed the prepare gets
+        here; the alternative is to diverge."""
+        try:
+            return self._load_snapshot(snap_id, digest)
+        except (CodecError, OSError) as exc:
+            log.warning("shard %d: restore of snapshot %s: own file unusable (%s); fetching it",
+                        self.shard, snap_id, exc)
+        import ssl as ssl_
+        import urllib.request
+
+        path = snapshot_store.file_path(self._data_dir, snap_id, self.shard)
+        ctx = self.client_ssl if isinstance(self.client_ssl, ssl_.SSLContext) else None
+        for url in (u for a, u in sorted(self._data_urls.items()) if a != self.address):
+            req = urllib.request.Request(f"{url}/v1/snapshots/{snap_id}/file",
+                                         headers={"Authorization": f"Bearer {self.peer_token()}"})
+            try:
+                with urllib.request.urlopen(req, timeout=300, context=ctx) as resp:
+                    data = resp.read()
+                snapshot_store.read_bytes(data, shard=self.shard, snap_id=snap_id, digest=digest)
+                tmp = path.with_name(path.name + ".fetch")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
+                log.info("shard %d: fetched snapshot %s from %s while applying", self.shard, snap_id, url)
+                return self._load_snapshot(snap_id, digest)
+            except (OSError, CodecError) as exc:
+                log.warning("shard %d: fetching snapshot %s from %s failed: %s", self.shard, snap_id,
+                            url, exc)
+        log.critical("shard %d: restore of snapshot %s: no usable file here or at any peer",
+                     self.shard, snap_id)
+        return None
+
+    def _load_snapshot(self, snap_id: str, digest: str) -> ShardState:
+        f = snapshot_store.read(snapshot_store.file_path(self._data_dir, snap_id, self.shard),
+                                shard=self.shard, snap_id=snap_id, digest=digest)
+        return ShardState.restore(f.frame)
+
+    def _snapshot_writer(self) -> None:
+        while True:
+            op, snap_id, meta, arrays = self._snap_jobs.get()
+            if op == "stop":
+                return
+            path = snapshot_store.file_path(self._data_dir, snap_id, self.shard)
+            if op == "drop":
+                snapshot_store.remove(self._data_dir, snap_id, self.shard)
+                continue
+            started = time.monotonic()
+            try:
+                try:  # replaying the log after a restart: the file may be there already
+                    done = snapshot_store.read(path, shard=self.shard, snap_id=snap_id)
+                    digest, size = done.digest, done.size
+                    del done
+                except CodecError:
+                    digest, size = snapshot_store.write_parts(path, snap_id, self.shard, meta, arrays)
+            except Exception as exc:  # noqa: BLE001 - reported through snapshot_status
+                log.error("shard %d: writing snapshot %s failed: %r", self.shard, snap_id, exc)
+                info = {"state": "failed", "error": repr(exc)}
+            else:
+                info = {"state": "written", "digest": digest, "size": size,
+                        "seconds": round(time.monotonic() - started, 3)}
+                log.info("shard %d: snapshot %s written: %d bytes in %.3f s", self.shard, snap_id,
+                         size, info["seconds"])
+            with self._lock:
+                if snap_id in self._snap_files:  # not dropped meanwhile
+                    self._snap_files[snap_id] = info
+            meta = arrays = None
+
+    def snapshot_status(self, snap_id: str) -> dict:
+        """This replica's view of a snapshot: the catalog entry and the state of its file."""
+        with self._lock:
+            entry = self._state.snapshot_entry(snap_id)
+            info = dict(self._snap_files.get(snap_id, {}))
+        if not info:
+            path = snapshot_store.file_path(self._data_dir, snap_id, self.shard)
+            info = {"state": "present" if path.exists() else "missing"}
+        return {"entry": entry, "file": info}
+
+    def snapshot_catalog(self) -> list[dict]:
+        with self._lock:
+            return self._state.snapshot_catalog()
+
+    async def snapshot_prepare(self, snap_id: str, digest: str, sources: list[str], token: str = "") -> dict:
+        """Make sure this replica can restore ``snap_id``: its file verifies against ``digest``
+        (fetched from a replica in ``sources`` when missing), and is loaded, ready to swap in."""
+        path = snapshot_store.file_path(self._data_dir, snap_id, self.shard)
+        fetched = False
+        if not path.exists():
+            if not sources:
+                raise KeyNotFound(f"snapshot {snap_id} has no file on replica {self.address}",
+                                  snapshot=snap_id)
+            await self._fetch_snapshot(snap_id, digest, sources, token, path)
+            fetched = True
+        try:
+            loaded = await asyncio.to_thread(self._load_snapshot, snap_id, digest)
+        except CodecError as exc:
+            raise CodecError(f"snapshot {snap_id} of shard {self.shard} on replica {self.address}: "
+                             f"{exc.message}; refusing to restore", snapshot=snap_id) from None
+        with self._lock:
+            self._staged = {k: v for k, v in self._staged.items() if k[0] != snap_id}
+            self._staged[(snap_id, digest)] = loaded
+        return {"ready": True, "fetched": fetched, "replica": self.address}
+
+    async def _fetch_snapshot(self, snap_id: str, digest: str, sources: list[str], token: str,
+                              path: Path) -> None:
+        import aiohttp  # the data plane's own dependency; only needed here
+
+        errors = []
+        tmp = path.with_name(path.name + ".fetch")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        connector = aiohttp.TCPConnector(ssl=self.client_ssl) if self.client_ssl is not None else None
+        async with aiohttp.ClientSession(connector=connector) as session:
+            for source in sources:
+                try:
+                    url = f"{source}/v1/snapshots/{snap_id}/file"
+                    async with session.get(url, headers={"Authorization": f"Bearer {token}"},
+                                           timeout=aiohttp.ClientTimeout(total=600)) as resp:
+                        if resp.status != 200:
+                            errors.append(f"{source}: HTTP {resp.status}")
+                            continue
+                        with open(tmp, "wb") as f:
+                            async for chunk in resp.content.iter_chunked(4 << 20):
+                                f.write(chunk)
+                            f.flush()
+                            os.fsync(f.fileno())
+                    await asyncio.to_thread(snapshot_store.read, tmp, shard=self.shard,
+                                            snap_id=snap_id, digest=digest)
+                    os.replace(tmp, path)
+                    log.info("shard %d: fetched snapshot %s from %s", self.shard, snap_id, source)
+                    return
+                except (aiohttp.ClientError, OSError, TimeoutError, CodecError) as exc:
+                    errors.append(f"{source}: {exc}")
+        tmp.unlink(missing_ok=True)
+        raise Unavailable(f"snapshot {snap_id} of shard {self.shard}: no replica could send its file "
+                          f"({'; '.join(errors)})", snapshot=snap_id)
+
+    def snapshot_file_path(self, snap_id: str) -> Path:
+        return snapshot_store.file_path(self._data_dir, snap_id, self.shard)
+
+    async def snapshot_step(self, cmd: SnapshotStep) -> dict:
+        await self.ensure_serving()
+        if cmd.op == "restore":
+            with self._lock:
+                err = self._state.check_restore(cmd)
+            if err is not None:
+                raise err
+        return _unwrap(await self._propose(cmd.to_bytes()))
+
+    def _held(self, pid: tuple[str, int]) -> bool:
+        with self._lock:
+            hold = self._hold
+            if hold is None:
+                return False
+            if time.monotonic() >= hold["deadline"]:
+                log.warning("shard %d: snapshot %s was not sealed within %.1f s; releasing held "
+                            "acknowledgements", self.shard, hold["snap"], self.cfg.server.snapshot_hold)
+                self._hold = None
+                return False
+            return pid in hold["ids"]
+
+    async def _release(self, pid: tuple[str, int]) -> None:
+        """Wait while ``pid``'s acknowledgement is held by a snapshot being cut."""
+        while self._held(pid):
+            await self._wait_applied(0.05)
 
     def _remember_blocks(self, cmd: Command) -> None:
         """Keep the new versions of the blocks ``cmd`` wrote (references, no copies)."""
@@ -161,9 +405,11 @@ class Replica:
         with self._lock:
             return self._state.row_versions(key, ids)
 
-    def _snapshot_state(self) -> bytes:
+    def _snapshot_state(self) -> Any:
+        """For log compaction: a view now (tick thread), encoded later by the writer thread."""
         with self._lock:
-            return self._state.snapshot()
+            meta, arrays = self._state.snapshot_parts()
+        return functools.partial(frame.encode_parts, frame.KIND_SNAPSHOT, meta, arrays)
 
     def _restore_state(self, data: bytes) -> None:
         state = ShardState.restore(data)
@@ -298,6 +544,7 @@ class Replica:
                             "forged); refused", self.shard, req.client, req.seq)
                 raise InvalidRequest("push id already used for a different push; nothing applied",
                                      client=req.client, seq=req.seq)
+            await self._release((req.client, req.seq))
             return _unwrap(done)
         if not finite:
             action = "skipped" if self.cfg.server.nonfinite == "skip" and err is None else "rejected"
@@ -310,7 +557,9 @@ class Replica:
             raise err
         self._count_push(req)
         assert self._batcher is not None
-        return _unwrap(await self._batcher.submit(req))
+        result = await self._batcher.submit(req)
+        await self._release((req.client, req.seq))
+        return _unwrap(result)
 
     async def write(self, cmd: Command) -> dict:
         """Create, delete, set and clock ticks: proposed alone (not merged)."""
@@ -320,12 +569,16 @@ class Replica:
                 done = self._state.lookup_push(cmd.client, cmd.seq)
                 err = self._state.check_set(cmd)
             if done is not None:
+                await self._release((cmd.client, cmd.seq))
                 return _unwrap(done)
             if err is not None:
                 raise err
         elif not isinstance(cmd, (CreateKey, CreateTable, DeleteKey, ClockTick, SetRows)):
             raise InvalidRequest(f"not a write command: {type(cmd).__name__}")
-        return _unwrap(await self._propose(cmd.to_bytes()))
+        result = await self._propose(cmd.to_bytes())
+        if isinstance(cmd, Set):
+            await self._release((cmd.client, cmd.seq))
+        return _unwrap(result)
 
     def _current_versions(self, req: PushRequest) -> dict[str, int]:
         with self._lock:
@@ -464,6 +717,12 @@ class Replica:
             if n.raft_address(self.shard) == address:
                 return n.id
         return None
+
+
+def _push_ids(cmd: Push | Set) -> list[tuple[str, int]]:
+    if isinstance(cmd, Set):
+        return [(cmd.client, cmd.seq)]
+    return [(p.client, p.seq) for p in cmd.pushes]
 
 
 def _unwrap(result: Any) -> dict:

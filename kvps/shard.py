@@ -46,6 +46,23 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
+def _keep(arr: np.ndarray) -> np.ndarray:
+    """A block array from a decoded snapshot: a read-only view of immutable bytes is kept as it
+    is (no copy of a 1 GB restore); anything writeable is copied, since blocks never change."""
+    if not arr.flags.writeable and isinstance(_base_of(arr), bytes):
+        return arr
+    return _frozen(arr.copy())
+
+
+def _base_of(arr: np.ndarray):
+    base = arr
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    if isinstance(base, memoryview):
+        return base.obj
+    return base
+
+
 def _spec(arr: np.ndarray) -> dict:
     return {"shape": list(arr.shape), "dtype": arr.dtype.name}
 
@@ -128,8 +145,8 @@ class DenseKey:
             if len(state) != len(names) or any(a.shape != shape or a.dtype.name != cmd.dtype
                                                for a in (value, *state)):
                 raise ValueError(f"block {b} of {cmd.key!r} has the wrong shape")
-            entry.blocks[int(b)] = Block(_frozen(value.copy()), int(version), int(step),
-                                         {n: _frozen(a.copy()) for n, a in zip(names, state)})
+            entry.blocks[int(b)] = Block(_keep(value), int(version), int(step),
+                                         {n: _keep(a) for n, a in zip(names, state)})
         return entry, at
 
 

@@ -151,6 +151,7 @@ def test_every_data_route_refuses_a_missing_or_wrong_token(cluster, token):
         if (method, path) in OPEN_ROUTES:
             continue
         body = frame.encode(frame.KIND_REQUEST, {"key": "x"}) if method == "POST" else None
+        path = path.replace("{snap_id}", "some-snapshot")
         if method == "POST":
             status, data, _ = post(base + path, body, token)
         else:
@@ -161,23 +162,26 @@ def test_every_data_route_refuses_a_missing_or_wrong_token(cluster, token):
 
 
 def test_node_admin_routes_are_read_only(cluster):
-    """Mutating admin routes must demand a token; today every node route is a read. This list
-    makes a new route a deliberate decision (and a reason to extend the token test)."""
+    """Mutating admin routes must demand a token. This list makes a new route a deliberate
+    decision (and a reason to extend the token check below)."""
     from kvps.node import Node
     node = Node(cluster.cfg, 0, cluster.config_path, cluster.data_dir / "node-0", cluster.token)
     routes = {(r.method, r.resource.canonical) for r in node.make_app().router.routes()
               if r.method != "HEAD"}
+    mutating = {("PUT", "/v1/assignment"), ("POST", "/v1/snapshots"), ("POST", "/v1/snapshots/restore"),
+                ("DELETE", "/v1/snapshots/{id}"), ("POST", "/v1/snapshots/{id}/restore")}
     assert routes == {("GET", p) for p in ("/healthz", "/readyz", "/metrics", "/v1/node",
                                           "/v1/cluster", "/v1/shards/{id}", "/v1/keys",
-                                          "/v1/openapi.json", "/v1/assignment")} \
-        | {("PUT", "/v1/assignment")}
-    # the one mutating route demands the token
-    for token in (None, "wrong-token", ""):
-        req = urllib.request.Request(cluster.endpoints[0] + "/v1/assignment", data=b"{}", method="PUT",
-                                     headers={"Authorization": f"Bearer {token}"} if token is not None else {})
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(req, timeout=5)
-        assert err.value.code == 401
+                                          "/v1/openapi.json", "/v1/assignment", "/v1/snapshots")} | mutating
+    # every mutating route, and the snapshot list, demand the token
+    for method, path in sorted(mutating | {("GET", "/v1/snapshots")}):
+        url = cluster.endpoints[0] + path.replace("{id}", "some-id")
+        for token in (None, "wrong-token", ""):
+            req = urllib.request.Request(url, data=b"{}" if method != "GET" else None, method=method,
+                                         headers={"Authorization": f"Bearer {token}"} if token is not None else {})
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=5)
+            assert err.value.code == 401, (method, path, token)
 
 
 def test_token_rotation_without_downtime(cluster):
@@ -370,10 +374,12 @@ def test_openapi_document_matches_the_routers_and_live_responses(cluster):
     # live responses of every JSON admin route validate against the documented schema
     asyncio.run(_make_some_keys(cluster))
     for path, ops_ in ADMIN_PATHS.items():
+        if "get" not in ops_:
+            continue
         content = ops_["get"]["responses"]["200"]["content"]
         if "application/json" not in content or path == "/v1/openapi.json":
             continue
-        status, body = get(cluster.endpoints[0] + path.replace("{id}", "0"))
+        status, body = get(cluster.endpoints[0] + path.replace("{id}", "0"), cluster.token)
         assert status == 200, path
         jsonschema.validate(json.loads(body), content["application/json"]["schema"])
 

@@ -1,0 +1,249 @@
+"""User snapshots of a >= 1 GiB model: write and restore throughput against dd on the same disk,
+and training throughput while a snapshot is taken.
+
+    .venv/bin/python benchmarks/snapshot_speed.py [--gib 1] [--out DIR] [--no-drop-caches]
+
+A local cluster of 3 nodes x 4 shards x 3 replicas holds --gib GiB of float32 keys (64 MiB each,
+SGD: no optimizer state, so the snapshot is the model). All replicas share this machine's disk,
+so a snapshot writes 3 x the model and a restore reads 3 x the model: the peer is three `dd`
+processes writing (conv=fsync) and then reading (page cache dropped first, as root) 1/3 of that
+each, side by side in the same run. Reported: model bytes/s (what a user waits for) and disk
+bytes/s (all replicas), each as a ratio of dd's disk bytes/s.
+
+Training throughput: one client steps (pull + push of a 16 MiB key) for --window seconds without a
+snapshot, during a snapshot of the whole model, and without again; the ratio is during / mean of
+the two without. Leader changes during the run are counted (heartbeats must keep flowing while
+the replicas write). Writes results.json and snapshot.png to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+import kvps_client as kc
+from kvps.config import ServerConfig
+from kvps.local import LocalCluster
+
+MiB = 1 << 20
+KEY_BYTES = 64 * MiB
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def drop_caches(enabled: bool) -> bool:
+    if not enabled or os.geteuid() != 0:
+        return False
+    subprocess.run(["sync"], check=True)
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def dd_peer(root: Path, total: int, procs: int, drop: bool) -> dict:
+    """``procs`` concurrent dd's writing (fsync) then reading ``total`` bytes in all."""
+    each = total // procs
+    count = each // (4 * MiB)
+    files = [root / f"dd-{i}" for i in range(procs)]
+    t0 = time.monotonic()
+    ps = [subprocess.Popen(["dd", "if=/dev/zero", f"of={f}", "bs=4M", f"count={count}", "conv=fsync"],
+                           stderr=subprocess.DEVNULL) for f in files]
+    for p in ps:
+        p.wait()
+    write_s = time.monotonic() - t0
+    dropped = drop_caches(drop)
+    t0 = time.monotonic()
+    ps = [subprocess.Popen(["dd", f"if={f}", "of=/dev/null", "bs=4M"], stderr=subprocess.DEVNULL)
+          for f in files]
+    for p in ps:
+        p.wait()
+    read_s = time.monotonic() - t0
+    for f in files:
+        f.unlink()
+    nbytes = count * 4 * MiB * procs
+    return {"bytes": nbytes, "write_s": write_s, "read_s": read_s, "write_Bps": nbytes / write_s,
+            "read_Bps": nbytes / read_s, "cold_read": dropped}
+
+
+def api(c: LocalCluster, method: str, path: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(c.endpoints[0] + path, method=method,
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Authorization": f"Bearer {c.token}"})
+    with urllib.request.urlopen(req, timeout=3600) as resp:
+        return json.loads(resp.read())
+
+
+def leader_changes(c: LocalCluster) -> int:
+    cmap = c.cluster_map(timeout=5.0) or {"shards": []}
+    return sum(int(s.get("term") or 0) for s in cmap["shards"])
+
+
+async def load_model(c: LocalCluster, gib: float) -> int:
+    n = int(gib * 1024 * MiB // KEY_BYTES)
+    async with kc.Client(c.endpoints, token=c.token, seed=0) as ps:
+        rng = np.random.default_rng(0)
+        for i in range(n):
+            value = rng.standard_normal(KEY_BYTES // 4, dtype=np.float32).reshape(4096, 4096)
+            await ps.create(f"model/{i}", value, optimizer=kc.SGD(lr=0.01))
+            progress(f"  loaded {i + 1}/{n} x 64 MiB")
+        await ps.create("train/w", np.zeros((1024, 4096), np.float32), optimizer=kc.SGD(lr=0.01))
+    return n * KEY_BYTES
+
+
+class Trainer:
+    """Steps (pull + push of train/w) in a thread; records the time of every step."""
+
+    def __init__(self, c: LocalCluster) -> None:
+        self.c = c
+        self.times: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    async def _run(self) -> None:
+        grad = np.full((1024, 4096), 1e-3, np.float32)
+        async with kc.Client(self.c.endpoints, token=self.c.token, seed=1) as ps:
+            while not self.stop.is_set():
+                await ps.pull(["train/w"])
+                await ps.push({"train/w": grad})
+                self.times.append(time.monotonic())
+
+    def rate(self, start: float, end: float) -> float:
+        return sum(1 for t in self.times if start <= t < end) / (end - start)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--window", type=float, default=6.0)
+    ap.add_argument("--out", default="bench-out/snapshot")
+    ap.add_argument("--no-drop-caches", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    drop = not args.no_drop_caches
+    results: dict = {"gib": args.gib}
+    with tempfile.TemporaryDirectory(prefix="kvps-snapbench-", dir=str(out.resolve())) as tmp:
+        root = Path(tmp)
+        c = LocalCluster(root / "cluster", nodes=3, shards=4, replicas=3,
+                         server=ServerConfig(snapshot_hold=10.0))
+        try:
+            progress("starting a 3-node cluster (4 shards x 3 replicas)")
+            c.start(timeout=120)
+            progress(f"loading a {args.gib} GiB model")
+            model = asyncio.run(load_model(c, args.gib))
+            results["model_bytes"] = model
+            terms0 = leader_changes(c)
+
+            trainer = Trainer(c)
+            trainer.thread.start()
+            while len(trainer.times) < 5:
+                time.sleep(0.05)
+            progress(f"training without a snapshot for {args.window} s")
+            t0 = time.monotonic()
+            time.sleep(args.window)
+            before = trainer.rate(t0, time.monotonic())
+
+            progress("taking a snapshot while training")
+            t_snap = time.monotonic()
+            snap = api(c, "POST", "/v1/snapshots", {"label": "bench"})
+            snap_s = time.monotonic() - t_snap
+            during = trainer.rate(t_snap, t_snap + snap_s)
+            progress(f"  snapshot {snap['id']}: {snap['size'] / MiB:.0f} MiB per copy in {snap_s:.2f} s")
+            progress(f"training without a snapshot for {args.window} s")
+            t1 = time.monotonic()
+            time.sleep(args.window)
+            after = trainer.rate(t1, time.monotonic())
+            trainer.stop.set()
+            trainer.thread.join(30)
+            terms1 = leader_changes(c)
+
+            progress("restoring it")
+            dropped = drop_caches(drop)
+            t_restore = time.monotonic()
+            api(c, "POST", f"/v1/snapshots/{snap['id']}/restore")
+            restore_s = time.monotonic() - t_restore
+            disk = root / "cluster"
+            progress("dd on the same disk (3 writers with fsync, then 3 readers)")
+            dd = dd_peer(disk, 3 * snap["size"], 3, drop)
+        finally:
+            c.stop()
+
+    copies = 3
+    base = (before + after) / 2
+    results.update({
+        "snapshot": {"seconds": snap_s, "bytes_per_copy": snap["size"], "copies": copies,
+                     "model_Bps": model / snap_s, "disk_Bps": copies * snap["size"] / snap_s},
+        "restore": {"seconds": restore_s, "model_Bps": model / restore_s,
+                    "disk_Bps": copies * snap["size"] / restore_s, "cold_read": dropped},
+        "dd": dd,
+        "training": {"steps_per_s_before": before, "steps_per_s_during": during,
+                     "steps_per_s_after": after, "ratio_during_vs_without": during / base if base else None},
+        "leader_changes_during_run": terms1 - terms0,
+    })
+    results["ratio_vs_dd"] = {
+        "snapshot_disk_write": results["snapshot"]["disk_Bps"] / dd["write_Bps"],
+        "snapshot_model_write": results["snapshot"]["model_Bps"] / dd["write_Bps"],
+        "restore_disk_read": results["restore"]["disk_Bps"] / dd["read_Bps"],
+        "restore_model_read": results["restore"]["model_Bps"] / dd["read_Bps"],
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    r, d = results, dd
+    print(f"snapshot of a {model / 2**30:.2f} GiB model, 3 replicas on one disk: {snap_s:.2f} s, "
+          f"{r['snapshot']['disk_Bps'] / 1e6:.0f} MB/s to disk ({r['snapshot']['model_Bps'] / 1e6:.0f} MB/s of model)"
+          f" vs dd {d['write_Bps'] / 1e6:.0f} MB/s: ratio_vs_dd {r['ratio_vs_dd']['snapshot_disk_write']:.2f}"
+          f" (model bytes: {r['ratio_vs_dd']['snapshot_model_write']:.2f})")
+    print(f"restore: {restore_s:.2f} s, {r['restore']['disk_Bps'] / 1e6:.0f} MB/s from disk "
+          f"({r['restore']['model_Bps'] / 1e6:.0f} MB/s of model){' cold cache' if dropped else ''}"
+          f" vs dd {d['read_Bps'] / 1e6:.0f} MB/s: ratio_vs_dd {r['ratio_vs_dd']['restore_disk_read']:.2f}"
+          f" (model bytes: {r['ratio_vs_dd']['restore_model_read']:.2f})")
+    t = r["training"]
+    print(f"training: {t['steps_per_s_before']:.2f} steps/s before, {t['steps_per_s_during']:.2f} during the "
+          f"snapshot, {t['steps_per_s_after']:.2f} after: ratio {t['ratio_during_vs_without']:.2f}; "
+          f"leader changes during the run: {r['leader_changes_during_run']}")
+    try:
+        _plot(results, out / "snapshot.png")
+    except ImportError:
+        progress("matplotlib not installed: no plot")
+    return 0
+
+
+def _plot(r: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    labels = ["snapshot write", "restore read"]
+    kv = [r["snapshot"]["disk_Bps"] / 1e6, r["restore"]["disk_Bps"] / 1e6]
+    dd = [r["dd"]["write_Bps"] / 1e6, r["dd"]["read_Bps"] / 1e6]
+    x = np.arange(2)
+    a.bar(x - 0.2, kv, 0.4, label="kvps (3 replicas)")
+    a.bar(x + 0.2, dd, 0.4, label="dd (3 processes)")
+    a.set_xticks(x, labels)
+    a.set_ylabel("MB/s to / from disk")
+    a.legend()
+    t = r["training"]
+    b.bar(["before", "during snapshot", "after"],
+          [t["steps_per_s_before"], t["steps_per_s_during"], t["steps_per_s_after"]])
+    b.set_ylabel("training steps/s")
+    fig.suptitle(f"kvps snapshot of a {r['model_bytes'] / 2**30:.1f} GiB model")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
