@@ -87,6 +87,20 @@ def api(c: LocalCluster, method: str, path: str, body: dict | None = None) -> di
         return json.loads(resp.read())
 
 
+def compactions(c: LocalCluster) -> list[dict]:
+    """Every replica's log-compaction record (count, last duration and size)."""
+    out = []
+    cmap = c.cluster_map(timeout=5.0) or {"shards": []}
+    for shard in cmap["shards"]:
+        for r in shard["replicas"]:
+            req = urllib.request.Request(r["data_url"] + "/v1/status",
+                                         headers={"Authorization": f"Bearer {c.token}"})
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                st = json.loads(resp.read())
+            out.append({"shard": shard["id"], "node": r["node"], **(st.get("compactions") or {})})
+    return out
+
+
 def leader_changes(c: LocalCluster) -> int:
     cmap = c.cluster_map(timeout=5.0) or {"shards": []}
     return sum(int(s.get("term") or 0) for s in cmap["shards"])
@@ -129,6 +143,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--window", type=float, default=6.0)
+    ap.add_argument("--shards", type=int, default=4,
+                    help="1 puts the whole model in one shard: its log compactions then write >= --gib")
     ap.add_argument("--out", default="bench-out/snapshot")
     ap.add_argument("--no-drop-caches", action="store_true")
     args = ap.parse_args()
@@ -138,15 +154,18 @@ def main() -> int:
     results: dict = {"gib": args.gib}
     with tempfile.TemporaryDirectory(prefix="kvps-snapbench-", dir=str(out.resolve())) as tmp:
         root = Path(tmp)
-        c = LocalCluster(root / "cluster", nodes=3, shards=4, replicas=3,
+        c = LocalCluster(root / "cluster", nodes=3, shards=args.shards, replicas=3,
                          server=ServerConfig(snapshot_hold=10.0))
         try:
-            progress("starting a 3-node cluster (4 shards x 3 replicas)")
+            progress(f"starting a 3-node cluster ({args.shards} shards x 3 replicas)")
             c.start(timeout=120)
             progress(f"loading a {args.gib} GiB model")
+            terms_load = leader_changes(c)
             model = asyncio.run(load_model(c, args.gib))
             results["model_bytes"] = model
             terms0 = leader_changes(c)
+            results["log_compactions_during_load"] = compactions(c)
+            results["leader_changes_during_load"] = terms0 - terms_load
 
             trainer = Trainer(c)
             trainer.thread.start()
@@ -214,6 +233,10 @@ def main() -> int:
     print(f"training: {t['steps_per_s_before']:.2f} steps/s before, {t['steps_per_s_during']:.2f} during the "
           f"snapshot, {t['steps_per_s_after']:.2f} after: ratio {t['ratio_during_vs_without']:.2f}; "
           f"leader changes during the run: {r['leader_changes_during_run']}")
+    big = max((x.get("last_bytes", 0) for x in results["log_compactions_during_load"]), default=0)
+    secs = max((x.get("last_seconds", 0) for x in results["log_compactions_during_load"]), default=0)
+    print(f"log compaction while loading: largest {big / 2**30:.2f} GiB written in up to {secs:.2f} s "
+          f"off the tick thread; leader changes during the load: {results['leader_changes_during_load']}")
     try:
         _plot(results, out / "snapshot.png")
     except ImportError:

@@ -673,7 +673,7 @@ class Replica:
             "leader_url": self._data_urls.get(st["leader"]) if st["leader"] else None,
             "serving": st["role"] == "leader" and self._serving_term == st["term"],
             "commit_index": st["commit_index"], "applied_index": st["applied_index"],
-            "log_entries": st["log_entries"],
+            "log_entries": st["log_entries"], "compactions": st.get("compactions"),
             "in_flight_bytes": self._batcher.accepted_bytes if self._batcher else 0,
             "counters": dict(self.counters),
             "peers": self.peer_lag() if st["role"] == "leader" else {},
