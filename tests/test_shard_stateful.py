@@ -1,13 +1,18 @@
 """ShardState against a plain dict/numpy model: creates, merged pushes with duplicates and retries,
-compare-and-set, deletes, and snapshot -> restore -> continue."""
+compare-and-set, deletes, snapshot -> restore -> continue, and user snapshots restored later
+(values back, versions moved past every current one, duplicate table kept)."""
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvps.command import CreateKey, CreateTable, DeleteKey, Set
+from kvps.command import CreateKey, CreateTable, DeleteKey, Set, SnapshotStep
+from kvps.delta import frame
+from kvps.snapshot_store import digest_of
 from kvps.errors import InvalidRequest, KeyExists, KeyNotFound, PushExpired, Unavailable, VersionConflict
 from kvps.initializer import Constant, Normal, Zeros, initializer_to_dict
 from kvps.merge import PushRequest, merge
@@ -35,6 +40,7 @@ class ShardMachine(RuleBasedStateMachine):
         self.floors: dict[str, int] = {}
         self.last_seq: dict[str, int] = {}
         self.now = 0.0
+        self.snaps: dict[str, tuple] = {}  # id -> (file frame, digest, dense model, table model)
 
     # ---- model helpers ------------------------------------------------------------------------
 
@@ -221,6 +227,36 @@ class ShardMachine(RuleBasedStateMachine):
         event("snapshot restored")
         self.s = ShardState.restore(data)
         assert self.s.snapshot() == data
+
+    @rule()
+    def user_snapshot(self):
+        sid = f"s{len(self.snaps)}"
+        assert self.s.apply(SnapshotStep("cut", sid, at=self.now))["cut"]
+        blob = frame.encode(frame.KIND_SNAPSHOT, *self.s.snapshot_parts())  # what a replica writes
+        digest = digest_of(blob[:frame.head_size(blob)])
+        assert self.s.apply(SnapshotStep("seal", sid, at=self.now))["snapshot"]["state"] == "sealed"
+        assert self.s.apply(SnapshotStep("commit", sid, digest=digest, size=len(blob)))["snapshot"]["state"] == "complete"
+        assert not self.s.apply(SnapshotStep("cut", sid, at=self.now))["cut"]  # a retried cut
+        self.snaps[sid] = (blob, digest, copy.deepcopy(self.dense), copy.deepcopy(self.tables))
+
+    @precondition(lambda self: self.snaps)
+    @rule(data=st.data())
+    def user_restore(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.snaps)), label="snapshot")
+        blob, digest, dense, tables = self.snaps[sid]
+        assert isinstance(self.s.apply_restore(SnapshotStep("restore", sid, digest="0" * 64),
+                                               ShardState.restore(blob)), InvalidRequest)
+        floor = 1 + max([self._version(k) for k in [*self.dense, *self.tables]], default=0)
+        result = self.s.apply_restore(SnapshotStep("restore", sid, digest=digest), ShardState.restore(blob))
+        event("user snapshot restored")
+        assert result["version_floor"] == floor and result["keys"] == len(dense) + len(tables)
+        self.dense, self.tables = copy.deepcopy(dense), copy.deepcopy(tables)
+        for entry in self.dense.values():
+            for block in entry["blocks"].values():
+                block[1] += floor
+        for entry in self.tables.values():
+            for row in entry["rows"].values():
+                row[1] += floor
 
     # ---- invariants ---------------------------------------------------------------------------
 
