@@ -46,6 +46,8 @@ __all__ = ["Replica"]
 
 log = logging.getLogger("kvps.replica")
 
+STAGED_TTL = 600.0  # seconds a prepared (loaded) snapshot waits for its restore entry
+
 # A joining replica starts no election for this long: the leader reaches it well before.
 JOIN_ELECTION_HOLD = 10.0
 
@@ -168,16 +170,17 @@ class Replica:
             result = self._state.apply(cmd)
             if isinstance(result, KvpsError):
                 return result
-            if cmd.op == "cut" and (before is None or before["state"] == "pending"):
+            if cmd.op == "cut" and before is None:
                 # This index is the snapshot: take the view now, write it off this thread, and
-                # hold the acknowledgements of later pushes until the timestamp is fixed.
+                # hold the acknowledgements of later pushes until the timestamp is fixed. (A
+                # retried cut at a later index changes nothing: the first one is the snapshot; a
+                # replica that never applied the first, e.g. restored from a log compaction
+                # taken in between, has no file and fetches it from a peer when restoring.)
                 meta, arrays = self._state.snapshot_parts()
-                if cmd.snap_id not in self._snap_files or self._snap_files[cmd.snap_id]["state"] == "failed":
-                    self._snap_files[cmd.snap_id] = {"state": "writing"}
-                    self._snap_jobs.put(("write", cmd.snap_id, meta, arrays))
-                if before is None:
-                    self._hold = {"snap": cmd.snap_id, "ids": set(),
-                                  "deadline": time.monotonic() + self.cfg.server.snapshot_hold}
+                self._snap_files[cmd.snap_id] = {"state": "writing"}
+                self._snap_jobs.put(("write", cmd.snap_id, meta, arrays))
+                self._hold = {"snap": cmd.snap_id, "ids": set(),
+                              "deadline": time.monotonic() + self.cfg.server.snapshot_hold}
             elif cmd.op in ("seal", "drop") and self._hold is not None and self._hold["snap"] == cmd.snap_id:
                 self._hold = None
             if cmd.op == "drop":
@@ -307,10 +310,17 @@ class Replica:
         except CodecError as exc:
             raise CodecError(f"snapshot {snap_id} of shard {self.shard} on replica {self.address}: "
                              f"{exc.message}; refusing to restore", snapshot=snap_id) from None
+        key = (snap_id, digest)
         with self._lock:
-            self._staged = {k: v for k, v in self._staged.items() if k[0] != snap_id}
-            self._staged[(snap_id, digest)] = loaded
+            self._staged = {key: loaded}  # one at a time: a loaded snapshot is as big as the state
+        asyncio.get_running_loop().call_later(STAGED_TTL, self._unstage, key)
         return {"ready": True, "fetched": fetched, "replica": self.address}
+
+    def _unstage(self, key: tuple[str, str]) -> None:
+        """Forget a prepared restore that never came (its coordinator gave up or died)."""
+        with self._lock:
+            if self._staged.pop(key, None) is not None:
+                log.info("shard %d: dropped the loaded snapshot %s: no restore followed", self.shard, key[0])
 
     async def _fetch_snapshot(self, snap_id: str, digest: str, sources: list[str], token: str,
                               path: Path) -> None:
