@@ -39,7 +39,7 @@ from kvps.merge import PushRequest, is_finite, request_bytes
 from kvps.metrics import ReplicaMetrics
 from kvps.raft import bridge
 from kvps.raft import membership as raft_membership
-from kvps.raft.group import ShardGroup
+from kvps.raft.group import ShardGroup, background_priority
 from kvps.shard import ShardState
 
 __all__ = ["Replica"]
@@ -251,6 +251,7 @@ class Replica:
         return ShardState.restore(f.frame)
 
     def _snapshot_writer(self) -> None:
+        background_priority()
         while True:
             op, snap_id, meta, arrays = self._snap_jobs.get()
             if op == "stop":

@@ -400,6 +400,7 @@ class _Compaction:
 
     def _run(self) -> None:
         started = time.monotonic()
+        background_priority()
         try:
             assert self.snap is not None
             state = self.state() if callable(self.state) else self.state
@@ -413,6 +414,15 @@ class _Compaction:
         finally:
             self.state = None  # let the view's arrays go
             self.seconds = time.monotonic() - started
+
+
+def background_priority(niceness: int = 10) -> None:
+    """Lower the calling thread's CPU priority (Linux: per thread): snapshot writers yield the
+    cores to the Raft tick thread and the request handlers of this and the other replicas."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
+        pass
 
 
 def _unlink(path: str) -> None:
