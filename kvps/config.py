@@ -44,6 +44,14 @@ class RaftConfig:
     connection_timeout: float = 2.0
     # Reconnect attempts to a lost peer every this many seconds (pysyncobj's default is 5 s).
     connection_retry: float = 0.2
+    # When the leader's process dies, its kernel closes its peer connections and its Raft port
+    # refuses new ones; a follower that sees both stands for election after a short delay instead
+    # of a full election timeout (kvps/raft/failover.py). Partitions and slow leaders close nothing
+    # and still wait for the timeout. Safety never depends on timeouts, only availability does.
+    fast_failover: bool = True
+    # Between the surviving replicas' elections (s): the k-th by address waits k * stagger plus up
+    # to half a stagger, so they do not split the vote. Above pysyncobj's 50 ms tick.
+    fast_failover_stagger: float = 0.1
     # Largest command a leader proposes. appendEntriesBatchSizeBytes is set just above it, so
     # pysyncobj never takes its chunked path (which truncates entries, see DESIGN).
     max_command_bytes: int = 8 * MiB
@@ -84,6 +92,11 @@ class RaftConfig:
                               field="connection_timeout")
         if self.connection_retry < 0:
             raise ConfigError("connection_retry must be >= 0", field="connection_retry")
+        if not isinstance(self.fast_failover, bool):
+            raise ConfigError("fast_failover must be true or false", field="fast_failover")
+        if not 0 < self.fast_failover_stagger < self.election_timeout_min:
+            raise ConfigError("fast_failover_stagger must be > 0 and less than election_timeout_min",
+                              field="fast_failover_stagger")
         if self.max_frame_bytes < 2 * self.max_command_bytes + MiB:
             raise ConfigError("max_frame_bytes must be >= 2 * max_command_bytes + 1 MiB (an append "
                               "message may carry up to two batches)", field="max_frame_bytes")

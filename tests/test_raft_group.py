@@ -469,3 +469,85 @@ def test_compaction_runs_off_the_tick_thread(tmp_path):
             if isinstance(m, SlowWriterMachine):
                 m.release.set()
         c.stop_all()
+
+
+# ---- fast failover: the leader's process is gone (kvps/raft/failover.py) -------------------------
+
+def on_tick_thread(group: ShardGroup, fn, timeout: float = 10.0) -> None:
+    """Run ``fn`` once on ``group``'s tick thread (transport state is that thread's) and wait."""
+    done = threading.Event()
+
+    def once() -> None:
+        if not done.is_set():
+            fn()
+            done.set()
+
+    group.addOnTickCallback(once)
+    try:
+        assert done.wait(timeout), "the tick thread did not run the callback"
+    finally:
+        group.removeOnTickCallback(once)
+
+
+def test_leader_death_elects_a_new_leader_well_before_the_election_timeout(tmp_path):
+    """A stopped leader's connections are closed and its port refuses connections, as after kill -9:
+    the followers elect at once instead of waiting out a (here deliberately long) election timeout.
+    Without the fast path no follower could stand before ~2 s of silence."""
+    raft = RaftConfig(election_timeout_min=2.0, election_timeout_max=4.0, heartbeat_period=0.05,
+                      leader_fallback_timeout=2.0, connection_timeout=4.0, connection_retry=0.1)
+    c = Cluster(tmp_path, raft=raft)
+    try:
+        c.start_all()
+        c.propose(b"before", timeout=30)
+        old = c.leader()
+        old_address, term = old.selfNode.address, old.term()
+        survivors = [g for a, g in c.groups.items() if a != old_address]
+        wait_for(lambda: all(g.leader_address() == old_address and old_address in g.connected_peers()
+                             for g in survivors), what="the followers to follow the leader")
+        started = time.monotonic()
+        c.stop(old_address)
+        new = c.leader(timeout=30)
+        elapsed = time.monotonic() - started
+        assert elapsed < 0.75 * raft.election_timeout_min, f"new leader after {elapsed:.2f} s"
+        assert new.term() > term
+        assert sum(g.status()["fast_failovers"] for g in survivors) >= 1
+        assert sum(g.transport_stats()["peers_gone"] for g in survivors) >= 1
+        c.propose(b"after")
+        assert c.wait_converged() == [b"before", b"after"]
+    finally:
+        c.stop_all()
+
+
+def test_a_dropped_connection_to_a_live_leader_does_not_depose_it(tmp_path):
+    """The leader closes its connection to a follower (as its idle timeout or a rejected frame
+    would), again and again: the follower sees its leader's kernel end the connection, probes the
+    port, finds the leader listening, and starts no election; the connection comes back."""
+    raft = RaftConfig(election_timeout_min=1.0, election_timeout_max=2.0, heartbeat_period=0.05,
+                      leader_fallback_timeout=1.0, connection_timeout=2.0, connection_retry=0.05)
+    c = Cluster(tmp_path, raft=raft)
+    try:
+        c.start_all()
+        c.propose(b"first", timeout=30)
+        leader = c.leader()
+        leader_address, term = leader.selfNode.address, leader.term()
+        follower_address = next(a for a in c.addresses if a != leader_address)
+        follower = c.groups[follower_address]
+        transport = leader._SyncObj__transport
+        node = next(n for n in leader.otherNodes if n.address == follower_address)
+        drops = 4
+        for i in range(drops):
+            wait_for(lambda: follower_address in leader.connected_peers()
+                     and leader_address in follower.connected_peers()
+                     and follower.leader_address() == leader_address,
+                     what="the follower to be connected to its leader")
+            on_tick_thread(leader, lambda: transport._connections[node].disconnect())
+            wait_for(lambda: follower.transport_stats()["probes"] >= i + 1
+                     and not follower._SyncObj__transport._probes, what="the follower's probe to end")
+            c.propose(b"during-%d" % i)
+        assert follower.transport_stats()["peers_gone"] == 0
+        assert follower.status()["fast_failovers"] == 0
+        assert leader.is_leader() and leader.term() == term
+        assert c.roles[leader_address] == ["candidate", "leader"]  # its first election only
+        assert c.wait_converged() == [b"first", *(b"during-%d" % i for i in range(drops))]
+    finally:
+        c.stop_all()

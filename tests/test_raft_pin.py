@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pysyncobj
 import pysyncobj.journal
+import pysyncobj.monotonic
 import pysyncobj.pickle
 import pysyncobj.syncobj
 import pysyncobj.transport
 from pysyncobj import SyncObj, SyncObjConf
 from pysyncobj.config import FAIL_REASON
 from pysyncobj.journal import FileJournal, Journal
+from pysyncobj.node import TCPNode
 from pysyncobj.poller import createPoller
 from pysyncobj.serializer import Serializer
 from pysyncobj.syncobj import _COMMAND_TYPE, _RAFT_STATE
@@ -111,6 +113,27 @@ def test_outgoing_connected_and_incoming_first_message_paths():
     assert "conn.setOnMessageReceivedCallback(functools.partial(self._onMessageReceived, node))" in inc
 
 
+def test_what_the_port_probe_relies_on():
+    """transport.AuthTransport probes a member whose connection the peer closed (fast failover)."""
+    # TCPTransport reports a lost member through _onDisconnected, which we extend; voting members
+    # are in _nodes (dropNode removes them, so a removed member is never probed).
+    dis = src(TCPTransport._onDisconnected)
+    assert "node = self._connToNode(conn)" in dis and "if node in self._nodes: self._onNodeDisconnected(node)" in dis
+    assert "self._nodes = set()" in src(TCPTransport.__init__)
+    assert "self._nodes.discard(node)" in src(TCPTransport.dropNode)
+    # Our destroy override closes the probes, then the stock one runs; SyncObj calls it on stop.
+    assert params(TCPTransport.destroy) == ["self"]
+    assert "self.__transport.destroy()" in src(SyncObj._doDestroy)
+    # dropNode and destroy disconnect connections through conn.disconnect() (never "by the peer").
+    assert "conn.disconnect()" in src(TCPTransport.dropNode)
+    # The probe dials the member's resolved ip and port, as TCPTransport does.
+    assert "connect(node.ip, node.port)" in src(TCPTransport._connectIfNecessarySingle)
+    assert isinstance(inspect.getattr_static(TCPNode, "ip"), property)
+    assert isinstance(inspect.getattr_static(TCPNode, "port"), property)
+    # The probe's window is conf.raftMinTimeout.
+    assert SyncObjConf(raftMinTimeout=0.7).raftMinTimeout == 0.7
+
+
 # ---- group.py: SyncObj internals ------------------------------------------------------------------
 
 def test_syncobj_methods_and_properties_we_use():
@@ -198,6 +221,30 @@ def test_next_index_handling_the_pipelining_fix_relies_on():
     assert "self.__raftNextIndex[node] = entries[-1][1] + 1" in send  # optimistic advance
     # The chunked path we keep out of reach with appendEntriesBatchSizeBytes > max_command_bytes.
     assert "if len(entries) == 1 and len(entries[0][0]) >= batchSizeBytes:" in send
+
+
+def test_the_election_deadline_fast_failover_moves():
+    """failover.hasten_election writes SyncObj.__raftElectionDeadline, a monotonic time that the tick
+    compares with the same clock; a leader's append resets it to a full timeout, as does a vote."""
+    assert pysyncobj.syncobj.monotonicTime is pysyncobj.monotonic.monotonic
+    init = src(SyncObj.__init__)
+    assert "self.__raftElectionDeadline = monotonicTime() + self.__generateRaftTimeout()" in init
+    tick = src(SyncObj._onTick)
+    assert ("if self.__raftState in (_RAFT_STATE.FOLLOWER, _RAFT_STATE.CANDIDATE) and self.__selfNode is not None: "
+            "if self.__raftElectionDeadline < monotonicTime() and self.__connectedToAnyone(): "
+            "self.__raftElectionDeadline = monotonicTime() + self.__generateRaftTimeout() "
+            "self.__transferInProgress = False self.__raftLeader = None") in tick
+    receive = src(SyncObj._SyncObj__onMessageReceived)
+    assert receive.count("self.__raftElectionDeadline = monotonicTime() + self.__generateRaftTimeout()") == 2
+    # The follower acts only while it follows the lost peer: _getLeader is pysyncobj's raftLeader.
+    assert "return self.__raftLeader" in src(SyncObj._getLeader)
+    assert isinstance(inspect.getattr_static(SyncObj, "selfNode"), property)
+    # The stagger must exceed the tick's idle poll (pysyncobj's default; we do not set it).
+    assert SyncObjConf().autoTickPeriod == 0.05
+    assert "autoTickPeriod" not in syncobj_options(RaftConfig(), Path("/tmp/journal"))
+    assert RaftConfig().fast_failover_stagger > SyncObjConf().autoTickPeriod
+    assert "self._onTick(self.__conf.autoTickPeriod)" in src(SyncObj._autoTickThread)
+    assert "self._poller.poll(timeToWait)" in tick
 
 
 def test_tick_thread_lifetime_we_document():

@@ -52,6 +52,16 @@ memoryviews sent with ``sendmsg`` (no re-slicing copies); at most 16 MiB are rea
 so the tick thread keeps heart-beating while a peer streams a large backlog.
 
 Every rejection logs one line on logger ``kvps.raft`` (peer address and reason) and disconnects.
+
+Is a lost peer's process gone? A connection records whether the *peer's* kernel ended it (EOF,
+reset, hang-up on an authenticated connection), which is what a peer process's death looks like;
+connections we close ourselves (idle timeout, rejected frame, replaced by a reconnect) and
+connections that just go silent (a partition) do not count. For such a member, when
+``make_transport_class(on_peer_gone=...)`` is given, the transport then makes one bare TCP connect
+to its Raft port (``_Probe``): refused, or accepted and reset before the probe's window ends (a
+listener that closed as its process exited), means nothing listens there any more and
+``on_peer_gone(address)`` is called on the tick thread. A live peer that closed the connection
+(its idle timeout, a rejected frame, our removal from its member list) still listens: no call.
 """
 from __future__ import annotations
 
@@ -112,6 +122,7 @@ _U32 = struct.Struct("<I")
 _MAX_BUFFERS = 4096
 _MAX_PENDING_HANDSHAKES = 64  # unauthenticated incoming connections held at once
 _SWEEP_PERIOD = 0.1  # seconds between timeout / keepalive sweeps
+_PROBE_SETTLE = 0.05  # s a probe that connected waits for a reset before calling the peer alive
 
 # Handshake phases.
 _TCP_CONNECTING = 0  # outgoing: waiting for the TCP connect to complete
@@ -193,6 +204,8 @@ class TransportStats:
     bytes_received: int = 0
     rejected: int = 0  # connections dropped for a handshake or framing violation
     appends_deferred: int = 0  # appends not sent because the peer's queue was full
+    probes: int = 0  # ports of members that closed their connection probed (module doc)
+    peers_gone: int = 0  # probes refused: the member's process was gone
 
     def snapshot(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -205,14 +218,17 @@ class _Settings:
     max_frame_bytes: int
     socket_buffer_bytes: int
     stats: TransportStats
+    on_peer_gone: Callable[[str], None] | None = None
 
 
 def make_transport_class(*, secret: bytes, context: bytes, max_frame_bytes: int,
-                         socket_buffer_bytes: int = 0) -> type[TCPTransport]:
+                         socket_buffer_bytes: int = 0,
+                         on_peer_gone: Callable[[str], None] | None = None) -> type[TCPTransport]:
     """A ``TCPTransport`` subclass for ``SyncObj(transportClass=...)`` bound to these settings.
 
     ``socket_buffer_bytes == 0`` leaves SO_SNDBUF/SO_RCVBUF alone (setting them turns off Linux's
-    buffer autotuning).
+    buffer autotuning). ``on_peer_gone(address)`` is called on the tick thread when a member closed
+    its connection and its Raft port then refused a probe (see the module doc).
     """
     if not isinstance(secret, bytes) or len(secret) < 16:
         raise ValueError("secret must be at least 16 bytes")
@@ -225,7 +241,7 @@ def make_transport_class(*, secret: bytes, context: bytes, max_frame_bytes: int,
     if socket_buffer_bytes < 0:
         raise ValueError("socket_buffer_bytes must be >= 0")
     stats = TransportStats()
-    settings = _Settings(secret, context, max_frame_bytes, socket_buffer_bytes, stats)
+    settings = _Settings(secret, context, max_frame_bytes, socket_buffer_bytes, stats, on_peer_gone)
     return type("AuthTransport", (AuthTransport,), {"_settings": settings, "stats": stats})
 
 
@@ -243,6 +259,7 @@ class AuthTransport(TCPTransport):
         self._lastSweep = 0.0
         self._sentUpTo: dict[Any, tuple[int, int]] = {}  # node -> (term, last index sent)
         self._queueCap = 2 * self._settings.max_frame_bytes  # bytes queued per peer
+        self._probes: dict[Any, _Probe] = {}  # node -> probe of its Raft port in flight
         super().__init__(syncObj, selfNode, otherNodes)
 
     # -- connection factory ---------------------------------------------------------------------
@@ -364,6 +381,32 @@ class AuthTransport(TCPTransport):
         if node is not None:
             self._sentUpTo.pop(node, None)
         super()._onDisconnected(conn)
+        if (node is not None and getattr(conn, "closedByPeer", False) and node in self._nodes
+                and self._settings.on_peer_gone is not None and node not in self._probes):
+            self._probe(node)
+
+    # -- is a lost peer's process gone? (see the module doc) -------------------------------------
+
+    def _probe(self, node: Any) -> None:
+        ip = node.ip
+        if ip is None:
+            return
+        settings = self._settings
+
+        def gone(address: str) -> None:
+            settings.stats.peers_gone += 1
+            settings.on_peer_gone(address)
+
+        settings.stats.probes += 1
+        probe = _Probe(self._syncObj._poller, node.address, ip, node.port,
+                       self._syncObj.conf.raftMinTimeout, gone, lambda: self._probes.pop(node, None))
+        self._probes[node] = probe
+        probe.start()
+
+    def destroy(self) -> None:
+        for probe in list(self._probes.values()):
+            probe.close()
+        super().destroy()
 
     # -- timeouts and keepalives ----------------------------------------------------------------
 
@@ -376,6 +419,8 @@ class AuthTransport(TCPTransport):
         for conn in list(self._connections.values()) + list(self._unknownConnections):
             if isinstance(conn, _PeerConnection):
                 conn.checkTimers(now)
+        for probe in list(self._probes.values()):
+            probe.checkTimers(now)
 
 
 class _PeerServer:
@@ -434,6 +479,97 @@ class _PeerServer:
             self._transport._onNewPeerSocket(sock, f"{addr[0]}:{addr[1]}")
 
 
+class _Probe:
+    """One bare TCP connect to a lost member's Raft port, on the pysyncobj poller.
+
+    Refused, or accepted and then reset or closed before ``_PROBE_SETTLE`` (a listener that closed
+    while its process exited: the kernel resets connections still in its accept queue) -> nothing
+    listens there: ``on_gone(address)``. Accepted and still open -> alive; no answer within
+    ``window`` -> unknown; both close quietly. Sends nothing: a live peer sees a connection that
+    closes before its HELLO.
+    """
+
+    def __init__(self, poller: Any, address: str, host: str, port: int, window: float,
+                 on_gone: Callable[[str], None], on_done: Callable[[], None]) -> None:
+        self._poller = poller
+        self._address = address
+        self._host = host
+        self._port = port
+        self._onGone = on_gone
+        self._onDone = on_done
+        self._sock: socket.socket | None = None
+        self._fileno: int | None = None
+        self._connected = False
+        self._connectedAt = 0.0
+        self._deadline = _monotonic() + window
+
+    def start(self) -> None:
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            self.close()
+            return
+        self._sock, self._fileno = sock, sock.fileno()
+        try:
+            sock.setblocking(False)
+            err = sock.connect_ex((self._host, self._port))
+        except OSError as exc:
+            err = exc.errno
+        if err in (0, errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EAGAIN):
+            self._poller.subscribe(self._fileno, self._onEvent,
+                                   POLL_EVENT_TYPE.WRITE | POLL_EVENT_TYPE.ERROR)
+        else:
+            self._finish(gone=err == errno.ECONNREFUSED)
+
+    def checkTimers(self, now: float) -> None:
+        if self._connected and now >= self._connectedAt + _PROBE_SETTLE:
+            self._finish(gone=False)  # a listener that stays: the peer is alive
+        elif now >= self._deadline:
+            self._finish(gone=False)  # no answer: unknown, the election timeout decides
+
+    def close(self) -> None:
+        if self._fileno is not None:
+            self._poller.unsubscribe(self._fileno)
+            self._fileno = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        done, self._onDone = self._onDone, None
+        if done is not None:
+            done()
+
+    def _onEvent(self, descr: int, event: int) -> None:
+        if descr != self._fileno or self._sock is None:
+            return
+        if not self._connected:
+            err = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err or event & POLL_EVENT_TYPE.ERROR:
+                self._finish(gone=err in (0, errno.ECONNREFUSED, errno.ECONNRESET))
+                return
+            self._connected = True
+            self._connectedAt = _monotonic()
+            self._poller.subscribe(self._fileno, self._onEvent,
+                                   POLL_EVENT_TYPE.READ | POLL_EVENT_TYPE.ERROR)
+            return
+        try:
+            data = self._sock.recv(1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        self._finish(gone=not data)  # reset or closed without a word; a byte: something alive
+
+    def _finish(self, gone: bool) -> None:
+        if self._onDone is None:
+            return  # finished or closed already
+        self.close()
+        if gone:
+            logger.info("raft peer %s closed its connection and its port refuses connections: "
+                        "its process is gone", self._address)
+            self._onGone(self._address)
+
+
 def _set_buffers(sock: socket.socket, size: int) -> None:
     if size > 0:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
@@ -467,6 +603,8 @@ class _PeerConnection:
         self.sendRandKey = None
         self.recvRandKey = None
         self.recvLastTimestamp = 0
+        # Read by the transport in the disconnected callback (see _endConnection).
+        self.closedByPeer = False
 
         self._settings = settings
         self._poller = poller
@@ -588,7 +726,13 @@ class _PeerConnection:
         self._flush()
 
     def disconnect(self) -> None:
+        self._endConnection(byPeer=False)
+
+    def _endConnection(self, byPeer: bool) -> None:
         notify = self._onDisconnected is not None and self._state != CONNECTION_STATE.DISCONNECTED
+        # An authenticated connection the peer's kernel ended (EOF, reset, hang-up), as when its
+        # process dies; never one we drop ourselves (timeouts, rejections, replacements).
+        self.closedByPeer = byPeer and self._phase == _AUTHENTICATED
         self._close()
         self._reset()
         if notify:
@@ -631,6 +775,15 @@ class _PeerConnection:
             self._mask = mask
             self._poller.subscribe(self._fileno, self._onEvent, mask)
 
+    def _closedInHandshake(self) -> None:
+        if self._phase == _AWAIT_HELLO and self._end == 0:
+            # Not a byte said: a port probe (another replica asking whether we are alive, see
+            # _Probe) or a health check. Nothing was violated; no warning.
+            logger.debug("raft peer %s closed before its hello", self._peer)
+            self.disconnect()
+        else:
+            self._reject("connection closed during the handshake")
+
     def _reject(self, reason: str) -> None:
         logger.warning("raft peer %s rejected: %s", self._peer, reason)
         self._settings.stats.rejected += 1
@@ -654,7 +807,7 @@ class _PeerConnection:
                 break
             except OSError as exc:
                 logger.debug("raft peer %s: send failed: %s", self._peer, exc)
-                self.disconnect()
+                self._endConnection(byPeer=True)
                 return
             self._lastWrite = _monotonic()
             self._outBytes -= sent
@@ -676,10 +829,10 @@ class _PeerConnection:
             return  # a stale event for a socket we already closed
         if event & POLL_EVENT_TYPE.ERROR:
             if self._phase == _AWAIT_HELLO or self._phase == _AWAIT_RESPONSE:
-                self._reject("connection closed during the handshake")
+                self._closedInHandshake()
             else:
                 logger.debug("raft peer %s: socket error or hang-up", self._peer)
-                self.disconnect()
+                self._endConnection(byPeer=True)
             return
         if self._phase == _TCP_CONNECTING:
             self._onTcpConnected()
@@ -737,13 +890,13 @@ class _PeerConnection:
             return 0
         except OSError as exc:
             logger.debug("raft peer %s: recv failed: %s", self._peer, exc)
-            self.disconnect()
+            self._endConnection(byPeer=True)
             return 0
         if n == 0:
             if self._phase in (_AWAIT_HELLO, _AWAIT_RESPONSE, _AWAIT_CHALLENGE):
-                self._reject("connection closed during the handshake")
+                self._closedInHandshake()
             else:
-                self.disconnect()
+                self._endConnection(byPeer=True)
             return 0
         self._lastRead = _monotonic()
         return n

@@ -1,0 +1,91 @@
+"""Fast failover: elect a new leader ~0.1 s after the leader's *process* dies, not after a full
+election timeout.
+
+A follower learns nothing from silence before its election timeout (``raft.election_timeout_min``
+to ``_max``) runs out. But a process that dies (``kill -9``, a crash, a stop) has its sockets
+closed by its kernel: its peers' connections to it end at once (EOF or reset), and its Raft port
+refuses new connections. The transport reports exactly that combination for a member
+(``make_transport_class(on_peer_gone=...)``: the peer's kernel ended an authenticated connection,
+then a bare connect to its port was refused). A follower told so about the leader it follows moves
+its election deadline forward to a short, staggered delay.
+
+What does not trigger it: a partition or a slow leader (connections go silent, nothing is closed:
+the election timeout decides, as before); connections the transport closes itself (idle timeout,
+a rejected frame, a reconnect replacing a connection); a live leader that closes a connection
+(its idle timeout, a rejected frame, our removal from the group): it still listens, the probe
+connects, no report.
+
+Why it is safe: Raft's safety (at most one leader per term, committed entries never lost) does not
+depend on timing: a vote is granted once per term and only to a candidate whose log is at least as
+up to date, whatever the timeouts. Timeouts only decide availability. The worst a wrong report can
+do is start one election early, as an election timeout on a loaded machine does; a live old leader
+then steps down on the higher term and the group elects again.
+
+Why it does not make elections more frequent:
+* only a report about the leader this replica follows counts (``leader_address()`` is the lost
+  peer: so this replica is a follower, and has not started an election since);
+* the deadline only ever moves earlier (``hasten_election``): anything pysyncobj does meanwhile
+  (an append from a leader resets the deadline to a full timeout, as usual) wins;
+* the surviving replicas do not split the vote: the k-th of them by address waits
+  ``stagger * (k + U(0, 1/2))`` (``election_delay``), so the first candidate's vote request reaches
+  the others before their own deadline; the jitter covers replicas that disagree on the member
+  list. A split vote costs what it always did: one more election timeout.
+
+pysyncobj checks the deadline once per tick; its tick thread polls at most 50 ms
+(``autoTickPeriod``) when no socket is busy, so keep ``stagger`` above that. The one pysyncobj
+internal used is ``SyncObj.__raftElectionDeadline`` (also used by ``membership.hold_elections``),
+compared with ``pysyncobj.monotonic.monotonic()`` in ``SyncObj._onTick``; tests/test_raft_pin.py
+checks both.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable
+from typing import Any
+
+from pysyncobj.monotonic import monotonic
+
+__all__ = ["FastFailover", "election_delay", "hasten_election"]
+
+logger = logging.getLogger("kvps.raft")
+
+
+def election_delay(self_address: str, members: Iterable[str], gone: str, stagger: float,
+                   u: float) -> float:
+    """Seconds this replica waits before standing for election once ``gone`` is known dead:
+    ``stagger * (rank + u / 2)`` with ``rank`` its place by address among the members left
+    (``u`` in [0, 1) is the caller's random draw)."""
+    survivors = sorted({*members, self_address} - {gone})
+    return stagger * (survivors.index(self_address) + u / 2)
+
+
+def hasten_election(group: Any, delay: float) -> bool:
+    """Move ``group``'s election deadline to ``delay`` seconds from now if that is earlier;
+    True when it moved. Tick thread only."""
+    deadline = monotonic() + delay
+    if deadline >= group._SyncObj__raftElectionDeadline:
+        return False
+    group._SyncObj__raftElectionDeadline = deadline
+    return True
+
+
+class FastFailover:
+    """The transport's ``on_peer_gone`` for one group (runs on its tick thread)."""
+
+    def __init__(self, group: Any, stagger: float, rng: random.Random | None = None) -> None:
+        self._group = group
+        self._stagger = stagger
+        self._rng = rng or random.Random()
+        self.hastened = 0  # elections brought forward
+
+    def on_peer_gone(self, address: str) -> None:
+        group = self._group
+        if group.leader_address() != address:
+            return  # not the leader we follow (or we lead, or an election is already under way)
+        delay = election_delay(group.selfNode.address, (n.address for n in group.otherNodes),
+                               address, self._stagger, self._rng.random())
+        if hasten_election(group, delay):
+            self.hastened += 1
+            logger.info("raft leader %s is gone (connection closed, port refused); standing for "
+                        "election in %.0f ms", address, 1000 * delay)
