@@ -159,6 +159,7 @@ class Client:
                             codec=self.codec if codec is None else codec)
         last: KvpsError | None = None
         attempt = 0
+        hops = 0  # hints followed at once since the last back-off (stale hints may point in a loop)
         start = self._rng.randrange(1 << 16)  # each call walks the replicas from its own place
         try:
             async with asyncio.timeout(self.timeout):
@@ -170,14 +171,19 @@ class Client:
                     except NotLeader as exc:
                         last = exc
                         self.stats.redirects += 1
-                        self.cluster_map.set_leader(shard, exc.fields.get("leader_hint"))
-                        if exc.fields.get("leader_hint") and attempt < 2:
+                        hint = exc.fields.get("leader_hint")
+                        self.cluster_map.set_leader(shard, hint)
+                        # Late in a call too: after a failover the first fresh hint is the news
+                        # the client was backing off for.
+                        if hint and hint != url and hops < 2:
+                            hops += 1
                             attempt += 1
                             continue  # re-route at once
                     except RetryableError as exc:
                         last = exc
                         self.cluster_map.set_leader(shard, None)
                     attempt += 1
+                    hops = 0
                     self.stats.retries += 1
                     if attempt % self._retry.refresh_every == 0:
                         await self._try_refresh()

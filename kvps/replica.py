@@ -518,9 +518,11 @@ class Replica:
                                             1.5 * self.cfg.raft.election_timeout_max)
         while True:
             if not self.group.is_leader():
-                if self.group.leader_address() is None and time.monotonic() < hold_until:
-                    # An election is under way: hold the request until it is decided, so the
-                    # client learns the new leader from our hint instead of backing off blindly.
+                if not self.group.leader_reachable() and time.monotonic() < hold_until:
+                    # An election is under way, or our leader's connection just dropped (it may be
+                    # dead: a new one is then elected within ~0.1 s): hold the request until it is
+                    # decided, so the client learns the new leader from our hint instead of
+                    # chasing a dead one and backing off blindly.
                     await asyncio.sleep(0.01)
                     continue
                 raise self._not_leader()

@@ -146,3 +146,72 @@ def test_shape_checked_before_anything_is_sent():
 
     asyncio.run(main())
     assert fake.pushes == []
+
+
+class Failover:
+    """No replica knows a leader for the first ``blind`` requests (an election under way); then r0
+    and r1 hint at r2, which serves. ``hint_loop``: r0 and r1 hint at each other forever."""
+
+    def __init__(self, blind: int = 0, hint_loop: bool = False):
+        self.blind = blind
+        self.hint_loop = hint_loop
+        self.log: list[str] = []
+
+    async def __call__(self, method, url, body, headers):
+        if url.endswith("/v1/cluster"):
+            return 200, json.dumps(CLUSTER).encode()
+        base, op = url.split("/v1/rpc/")
+        self.log.append(base)
+        if op == "describe" and base == URLS[2]:
+            return 200, frame.encode(frame.KIND_RESPONSE, {"info": INFO})
+        if self.hint_loop:
+            err = NotLeader("not me", leader_hint=URLS[1] if base == URLS[0] else URLS[0])
+        elif self.blind > 0 or base != URLS[2]:
+            self.blind -= 1
+            err = NotLeader("not me", leader_hint=URLS[2] if self.blind < 0 else None)
+        else:
+            return 200, frame.encode(frame.KIND_RESPONSE, {"versions": {"w": 1}})
+        return err.http_status, json.dumps(err.to_dict()).encode()
+
+
+def test_a_hint_late_in_a_call_is_followed_at_once():
+    """After several back-offs (no leader known), the first fresh hint is followed without one more."""
+    fake = Failover(blind=1)
+
+    async def main():
+        async with make(fake) as ps:
+            await ps.describe("w")  # layout known: the push below is the only call
+            fake.blind, fake.log = 6, []
+            sleeps: list[int] = []
+
+            async def sleep(_):
+                sleeps.append(len(fake.log))
+
+            ps._sleep = sleep
+            await ps.push({"w": np.ones(4, np.float32)})
+            return fake.log, sleeps
+
+    log, sleeps = asyncio.run(main())
+    assert log[-1] == URLS[2] and log[-2] != URLS[2]   # the hinted NotLeader, then the leader
+    assert sleeps[-1] < len(log) - 1                   # no back-off between them
+    assert len(sleeps) >= 5                            # it was late in the call
+
+
+def test_hints_that_point_in_a_loop_are_followed_at_most_twice_per_back_off():
+    fake = Failover(hint_loop=True)
+    sleeps: list[int] = []
+
+    async def sleep(_):
+        sleeps.append(len(fake.log))
+        await asyncio.sleep(0)
+
+    async def main():
+        async with kc.Client(["http://admin"], token="t", transport=kc.MockTransport(fake), seed=0,
+                             sleep=sleep, timeout=0.2) as ps:
+            ps.cluster_map.set_leader(0, URLS[0])
+            await ps.push({"w": np.zeros(4, np.float32)})
+
+    with pytest.raises(kc.Timeout):
+        asyncio.run(main())
+    requests_between = [b - a for a, b in zip([0, *sleeps], sleeps)]
+    assert requests_between and max(requests_between) <= 3

@@ -241,6 +241,14 @@ class ShardGroup(SyncObj):
         leader = self._getLeader()
         return None if leader is None else leader.address
 
+    def leader_reachable(self) -> bool:
+        """This replica leads, or holds a connection to the leader it follows. A follower whose
+        connection to its leader is down cannot tell a dead leader from a live one yet: it points
+        clients nowhere rather than at a leader that may be gone (kvps.raft.failover elects a
+        new one within ~0.1 s when it is)."""
+        leader = self._getLeader()
+        return leader is not None and (leader == self.selfNode or self.isNodeConnected(leader))
+
     def term(self) -> int:
         return self._getTerm()
 
