@@ -226,7 +226,7 @@ def test_clear(tmp_path):
 
 def test_meta_round_trip(tmp_path):
     path = tmp_path / "raft.journal"
-    j = open_journal(path)
+    j = open_journal(path)  # policy never: the commit index is written by onOneSecondTimer
     assert (j.getCurrentTerm(), j.getVotedForNodeId(), j.getRaftCommitIndex()) == (0, None, 1)
     fill(j, 10)
     j.setCurrentTerm(5, "127.0.0.1:7201")
@@ -302,18 +302,14 @@ class SyncCounter:
         return counts
 
 
-def exercise(j: RaftJournal) -> None:
+def test_never_syncs_nothing(tmp_path, monkeypatch):
+    counter = SyncCounter(monkeypatch)
+    j = open_journal(tmp_path / "raft.journal", "never")
     fill(j, 3)
     j.deleteEntriesFrom(2)
     j.deleteEntriesTo(1)
     j.setRaftCommitIndex(2)
     j.onOneSecondTimer()
-
-
-def test_never_syncs_nothing(tmp_path, monkeypatch):
-    counter = SyncCounter(monkeypatch)
-    j = open_journal(tmp_path / "raft.journal", "never")
-    exercise(j)
     j.setCurrentTerm(1, "a:1")
     j._destroy()
     assert counter.take() == (0, 0)
@@ -332,11 +328,12 @@ def test_always_syncs_each_change_before_returning(tmp_path, monkeypatch):
     j.setCurrentTerm(1, "a:1")
     assert counter.take() == (0, 2)  # meta file + directory, before pysyncobj sends anything
     j.setRaftCommitIndex(2)
-    assert counter.take() == (0, 0)
-    j.onOneSecondTimer()
-    assert counter.take() == (0, 2)
+    j.onOneSecondTimer()  # not on the tick thread: the background thread writes it
+    assert counter.take()[0] == 0
+    path = tmp_path / "raft.journal"
+    wait_for(lambda: open_journal(path).getRaftCommitIndex() == 2, 10, "the commit index on disk")
     j._destroy()
-    assert counter.take() == (0, 0)  # nothing left to sync
+    assert counter.take()[0] == 0  # nothing left to sync
 
 
 def test_interval_syncs_in_the_background(tmp_path, monkeypatch):
@@ -355,6 +352,18 @@ def test_interval_syncs_in_the_background(tmp_path, monkeypatch):
     j.add(b"last", 4, 1)
     j._destroy()  # closing syncs what the thread has not
     assert j._synced == j._changes
+
+
+def test_compaction_leaves_the_replaced_file_to_the_background_thread(tmp_path):
+    """Closing the replaced journal frees its blocks and waits for write-back in flight: the
+    tick thread (which calls deleteEntriesTo) hands that to the background thread."""
+    j = open_journal(tmp_path / "raft.journal", "interval", fsync_interval=0.01)
+    added = fill(j, 4)
+    j.deleteEntriesTo(2)
+    wait_for(lambda: not j._to_close, 10, "the replaced file to be closed")
+    assert entries(j) == added[2:]
+    j._destroy()
+    assert entries(open_journal(tmp_path / "raft.journal")) == added[2:]
 
 
 def test_flush_syncs_under_every_policy(tmp_path, monkeypatch):

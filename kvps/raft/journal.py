@@ -41,9 +41,11 @@ written; they differ on power loss or a kernel crash:
 
 Under ``interval`` and ``always`` term/vote changes and compaction rewrites are fsynced
 synchronously (pysyncobj calls ``setCurrentTerm`` before it sends the vote request or grant that
-reflects it). The commit index is written at most once a second (``onOneSecondTimer``) and, since
-it may then be ahead of what survived in the journal, is clamped to the journal's last index when
-read back (an unclamped one lets a restarted node apply entries nobody committed).
+reflects it). The commit index is written at most once a second, by a background thread under
+those two policies (an fsynced meta write took up to 70 ms here: not on the tick thread, which
+also sends the heartbeats), by pysyncobj's ``onOneSecondTimer`` under ``never``. Since it may be
+ahead of what survived in the journal, it is clamped to the journal's last index when read back
+(an unclamped one lets a restarted node apply entries nobody committed).
 
 A failed write or fsync of the journal is fatal: the entry is already in pysyncobj's memory, and
 after a failed fsync the page cache cannot be trusted to still hold it. The process logs the
@@ -65,6 +67,7 @@ import logging
 import os
 import struct
 import threading
+import time
 import weakref
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -92,6 +95,7 @@ _CRC = struct.Struct("<I")
 _META_HEADER = struct.Struct("<8sHHII")
 _META_BODY = struct.Struct("<QQi")
 _EX_IOERR = 74  # sysexits.h: an input/output error
+_META_PERIOD = 1.0  # seconds between commit index writes (pysyncobj's own cadence)
 
 # Looked up at call time, so tests can count calls by replacing them.
 _fdatasync = os.fdatasync
@@ -111,8 +115,10 @@ def _exit_on_io_error(exc: OSError, what: str) -> None:
 class RaftJournal(Journal):
     """pysyncobj's ``Journal`` interface over our own file format (see the module docstring).
 
-    pysyncobj calls every method on its tick thread; the ``interval`` policy adds one syncing
-    thread, which only ever fdatasyncs (``_lock`` keeps it off a descriptor being replaced)."""
+    pysyncobj calls every method on its tick thread. Under ``interval`` and ``always`` one
+    background thread fdatasyncs the journal (``interval`` only, through a duplicate of the
+    descriptor taken under ``_lock``), writes the commit index (``_meta_lock``) and closes the
+    files compaction replaced."""
 
     def __init__(self, path: str | Path, *, fsync: str = "interval", fsync_interval: float = 0.05,
                  on_io_error: Callable[[OSError, str], None] = _exit_on_io_error) -> None:
@@ -126,6 +132,7 @@ class RaftJournal(Journal):
         self._offsets: list[int] = []  # file offset of each entry's record
         self._end = _HEADER.size  # file offset after the last record
         self._lock = threading.Lock()
+        self._to_close: list[int] = []  # replaced journal descriptors the background thread closes
         self._changes = 0  # journal changes made ...
         self._synced = 0  # ... and how many of them an fdatasync has covered
         self._fd = -1
@@ -135,10 +142,12 @@ class RaftJournal(Journal):
                 stale.unlink()
         self._term, self._voted_for, self._commit_index = self._read_meta()
         self._meta_dirty = False
+        self._meta_lock = threading.Lock()
         self._fd = self._open_journal()
         self._stop = threading.Event()
-        if fsync == "interval":
-            threading.Thread(target=_sync_every, args=(weakref.ref(self), self._stop, fsync_interval),
+        if fsync != "never":
+            period = fsync_interval if fsync == "interval" else _META_PERIOD
+            threading.Thread(target=_background, args=(weakref.ref(self), self._stop, period),
                              name=f"kvps-journal-sync {self._path.parent.name}", daemon=True).start()
 
     # -- the log --------------------------------------------------------------------------------
@@ -207,7 +216,10 @@ class RaftJournal(Journal):
             self._changes += 1
             if durable:
                 self._synced = self._changes
-        os.close(old)
+            if self._policy == "never":
+                os.close(old)
+            else:  # the last close of the replaced file frees its blocks, waiting for any
+                self._to_close.append(old)  # write-back in flight: not on the tick thread
         self._entries = kept
         self._offsets = offsets
         self._end = end
@@ -249,7 +261,7 @@ class RaftJournal(Journal):
         return self._commit_index
 
     def onOneSecondTimer(self) -> None:
-        if self._meta_dirty:
+        if self._meta_dirty and self._policy == "never":  # otherwise the background thread does
             self._write_meta()
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -270,16 +282,20 @@ class RaftJournal(Journal):
         if self._meta_dirty:
             self._write_meta()
         with self._lock:
-            fd, self._fd = self._fd, -1
-        os.close(fd)
+            fds, self._to_close = [self._fd, *self._to_close], []
+            self._fd = -1
+        for fd in fds:
+            os.close(fd)
 
     def __del__(self) -> None:  # a group dropped without stop(): no descriptor leak
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
-        if getattr(self, "_fd", -1) >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        for fd in [getattr(self, "_fd", -1), *getattr(self, "_to_close", ())]:
+            if fd >= 0:
+                os.close(fd)
+        self._fd = -1
+        self._to_close = []
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -288,18 +304,28 @@ class RaftJournal(Journal):
         if self._policy == "always":
             self._sync()
 
+    def _close_replaced(self) -> None:
+        with self._lock:
+            fds, self._to_close = self._to_close, []
+        for fd in fds:
+            os.close(fd)
+
     def _sync(self) -> None:
         """fdatasync the journal if anything changed since the last one (any thread)."""
-        with self._lock:
-            target = self._changes
+        with self._lock:  # held only to read the descriptor: deleteEntriesTo never waits for an
+            target = self._changes  # fdatasync in flight on the background thread
             if self._fd < 0 or target == self._synced:
                 return
-            try:
-                _fdatasync(self._fd)
-            except OSError as exc:
-                self._on_io_error(exc, "fdatasync of the journal")
-                raise
-            self._synced = target
+            fd = os.dup(self._fd)
+        try:
+            _fdatasync(fd)
+        except OSError as exc:
+            self._on_io_error(exc, "fdatasync of the journal")
+            raise
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._synced = max(self._synced, target)
 
     def _write(self, buffers: Sequence[Any], offset: int, what: str) -> None:
         try:
@@ -412,8 +438,14 @@ class RaftJournal(Journal):
         return term, (vote.decode() if vote_length >= 0 else None), commit_index
 
     def _write_meta(self) -> None:
-        vote = None if self._voted_for is None else str(self._voted_for).encode()
-        body = _META_BODY.pack(self._term, self._commit_index, -1 if vote is None else len(vote))
+        with self._meta_lock:  # the tick thread (term, vote) or the background thread (commit)
+            self._meta_dirty = False  # before reading: a change made meanwhile stays dirty
+            term, voted_for, commit_index = self._term, self._voted_for, self._commit_index
+            self._store_meta(term, voted_for, commit_index)
+
+    def _store_meta(self, term: int, voted_for: str | None, commit_index: int) -> None:
+        vote = None if voted_for is None else str(voted_for).encode()
+        body = _META_BODY.pack(term, commit_index, -1 if vote is None else len(vote))
         body += vote or b""
         data = _META_HEADER.pack(META_MAGIC, VERSION, 0, zlib.crc32(body), len(body)) + body
         tmp = Path(f"{self._meta_path}.tmp")
@@ -432,19 +464,25 @@ class RaftJournal(Journal):
         except OSError as exc:
             self._on_io_error(exc, f"writing {self._meta_path}")
             raise
-        self._meta_dirty = False
 
 
-def _sync_every(ref: weakref.ref, stop: threading.Event, interval: float) -> None:
-    """The ``interval`` policy's thread; holds the journal only weakly, so a journal nobody
+def _background(ref: weakref.ref, stop: threading.Event, period: float) -> None:
+    """Under ``interval``: fdatasync every ``period``; under both syncing policies: the commit
+    index, at most every ``_META_PERIOD``. Holds the journal only weakly, so a journal nobody
     references any more (its group dropped without ``stop()``) still goes away."""
-    while not stop.wait(interval):
+    next_meta = time.monotonic() + _META_PERIOD
+    while not stop.wait(period):
         journal = ref()
         if journal is None:
             return
         try:
-            journal._sync()
-        except OSError:  # reported by _sync through on_io_error
+            journal._close_replaced()
+            if journal._policy == "interval":
+                journal._sync()
+            if journal._meta_dirty and time.monotonic() >= next_meta:
+                next_meta = time.monotonic() + _META_PERIOD
+                journal._write_meta()
+        except OSError:  # reported through on_io_error
             return
         del journal
 
