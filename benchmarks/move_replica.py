@@ -25,13 +25,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-import aiohttp
 import numpy as np
 
 import kvps_client as kc
 from kvps.delta import frame
 from kvps.local import LocalCluster, wait_until
-from kvps.rebalance import Mover
 
 MiB = 1 << 20
 TRAIN_KEYS = 8
@@ -39,6 +37,23 @@ TRAIN_KEYS = 8
 
 def progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def admin(cluster: LocalCluster, method: str, path: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(cluster.endpoints[0] + path, method=method,
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Authorization": f"Bearer {cluster.token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def move(cluster: LocalCluster, shard: int, source: int, target: int) -> dict:
+    """Queue the move with the metadata group's rebalancer and wait for its report."""
+    done = admin(cluster, "GET", "/v1/meta")["rebalance"]["moves_done"]
+    admin(cluster, "POST", "/v1/moves", {"shard": shard, "source": source, "target": target})
+    rebalance = wait_until(lambda: (lambda r: r["moves_done"] > done and r["moving"] is None and r)(
+        admin(cluster, "GET", "/v1/meta")["rebalance"]), 600, "the move", period=0.02)
+    return rebalance["last"]
 
 
 def state_hash(cluster: LocalCluster, node: int) -> tuple[str, int] | None:
@@ -66,8 +81,7 @@ async def fill(ps: kc.Client, mb: int) -> None:
 
 async def run(args: argparse.Namespace, cluster: LocalCluster) -> dict:
     cfg = cluster.cfg
-    async with kc.Client(cluster.endpoints, token=cluster.token, seed=0, timeout=120) as ps, \
-            aiohttp.ClientSession() as session:
+    async with kc.Client(cluster.endpoints, token=cluster.token, seed=0, timeout=120) as ps:
         t0 = time.monotonic()
         await fill(ps, args.mb)
         progress(f"filled the shard with {args.mb} MiB in {time.monotonic() - t0:.1f} s")
@@ -96,14 +110,13 @@ async def run(args: argparse.Namespace, cluster: LocalCluster) -> dict:
             before_start = time.monotonic()
             await asyncio.sleep(args.seconds)
             before_end = time.monotonic()
-            leader = cluster.leader(0)["node"]
+            leader = wait_until(lambda: cluster.leader(0), 30, "a leader")["node"]
             source = leader if args.leader else next(n for n in cfg.replica_nodes(0) if n != leader)
-            mover = Mover.over_http(session, cluster.token, lambda: list(cfg.nodes), cfg.node,
-                                    timeout=600)
+            await asyncio.to_thread(admin, cluster, "POST", "/v1/rebalance", {"auto": False})
             progress(f"moving the replica on node {source} ({'leader' if args.leader else 'follower'})"
                      " to node 3 ...")
             move_start = time.monotonic()
-            report = await mover.move(0, source, 3)
+            report = await asyncio.to_thread(move, cluster, 0, source, 3)
             move_end = time.monotonic()
             await asyncio.sleep(args.seconds)
             after_end = time.monotonic()
@@ -120,7 +133,7 @@ async def run(args: argparse.Namespace, cluster: LocalCluster) -> dict:
         after = rate(move_end, after_end)
         return {
             "mb": args.mb, "workers": args.workers, "push_bytes": MiB, "moved": "leader" if args.leader
-            else "follower", "source": source, "target": 3, "move": report.to_json(),
+            else "follower", "source": source, "target": 3, "move": report,
             "pushes_per_s": {"before": round(before, 1), "during": round(during, 1),
                              "after": round(after, 1)},
             "during_vs_before": round(during / before, 3) if before else None,
@@ -143,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start(timeout=120)
         res = asyncio.run(run(args, cluster))
     m = res["move"]
-    phases = ", ".join(f"{k} {v:.2f}s" for k, v in m["phases"].items())
+    order = ("place", "add", "catch_up", "transfer", "remove", "retire")
+    phases = ", ".join(f"{k} {m['phases'][k]:.2f}s" for k in order if k in m["phases"])
     print(f"move: one {res['mb']} MiB shard replica ({res['moved']}) from node {res['source']} "
           f"to node 3 in {m['seconds']:.2f} s ({phases})")
     pps = res["pushes_per_s"]

@@ -135,7 +135,9 @@ class Client:
     async def refresh_map(self) -> ClusterMap:
         """Fetch ``/v1/cluster`` from the first endpoint that answers."""
         last: KvpsError | None = None
-        for endpoint in self.endpoints:
+        known = [u for u in (self._map.admin_urls if self._map is not None else [])
+                 if u not in self.endpoints]
+        for endpoint in [*self.endpoints, *known]:  # nodes that joined later answer too
             try:
                 status, body = await self._transport.request(
                     "GET", endpoint.rstrip("/") + "/v1/cluster", None,

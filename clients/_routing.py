@@ -17,6 +17,9 @@ class ClusterMap:
     max_push_bytes: int
     replicas: list[list[str]]                 # shard -> data URLs of its replicas
     leaders: list[str | None] = field(default_factory=list)  # shard -> believed leader URL
+    # admin URLs of the cluster's nodes (joined ones too): where to refetch the map from when
+    # the endpoints the client was given have left the cluster
+    admin_urls: list[str] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ClusterMap":
@@ -27,7 +30,9 @@ class ClusterMap:
                 shards=int(info["shards"]), block_bytes=int(info["block_bytes"]),
                 max_push_bytes=int(info["max_push_bytes"]),
                 replicas=[[r["data_url"] for r in s["replicas"]] for s in shards],
-                leaders=[s.get("leader_url") for s in shards])
+                leaders=[s.get("leader_url") for s in shards],
+                admin_urls=[n["admin_url"] for n in data.get("nodes", [])
+                            if n.get("state", "active") != "removed" and "admin_url" in n])
         except (KeyError, TypeError, ValueError) as exc:
             raise Unavailable(f"malformed cluster map: {exc}") from exc
 

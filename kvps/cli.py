@@ -174,7 +174,15 @@ def format_status(cmap: dict) -> str:
                           for r in reps)
         lines.append(f"{shard['id']:>5}  {'-' if leader is None else leader['node']:>6}  "
                      f"{shard['term'] or 0:>5}  {lag if leader else '-':>5}  {health:<9}  {cells}")
-    nodes = ", ".join(f"{n['id']}:{'up' if n['reachable'] else 'DOWN'}" for n in cmap["nodes"])
+    nodes = ", ".join(f"{n['id']}:{'up' if n['reachable'] else 'DOWN'}"
+                      + (f" ({n['state']})" if n.get("state", "active") != "active" else "")
+                      for n in cmap["nodes"] if n.get("state") != "removed")
+    rebalance = (cmap.get("membership") or {}).get("rebalance") or {}
+    if rebalance.get("moving") or rebalance.get("moves_done"):  # elastic membership (kvps/rebalance.py)
+        m = rebalance.get("moving")
+        now = (f"moving shard {m['shard']}'s replica from node {m['source']} to node {m['target']}"
+               if m else "settled")
+        lines.append(f"rebalance: {now}; {rebalance.get('moves_done', 0)} moves done")
     lines.append(f"nodes: {nodes}    {len(cmap['shards']) - degraded}/{len(cmap['shards'])} shards healthy")
     return "\n".join(lines)
 
@@ -323,6 +331,11 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["node"] and argv[1:2] in (["join"], ["drain"]):  # kvps/join.py parses these
+        from kvps.join import main as membership_main
+        _setup_logging(os.environ.get("KVPS_LOG_LEVEL", "info"), os.environ.get("KVPS_LOG_FORMAT", "text"))
+        return membership_main(argv[1:])
     args = _parse(build_parser(), argv)
     _setup_logging(args.log_level, args.log_format)
     os.environ["KVPS_LOG_FORMAT"] = args.log_format  # child processes log the same way

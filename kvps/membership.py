@@ -9,10 +9,12 @@ raft address and the commit index after the change. ``kvps.rebalance`` drives mo
 """
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 from typing import TYPE_CHECKING, Any
 
-from kvps.errors import InvalidRequest
+from kvps.errors import InvalidRequest, Unavailable
 from kvps.raft import membership
 
 if TYPE_CHECKING:
@@ -43,5 +45,31 @@ async def membership_rpc(replica: "Replica", req: "Frame") -> tuple[dict, tuple]
     if op == "remove" and address == replica.address:
         raise InvalidRequest("a leader cannot remove itself: transfer leadership first", field="address")
     await replica.ensure_serving()  # NotLeader (with a hint) on a follower
-    await membership.change(replica.group, op, address)
+    if op == "transfer":
+        await _hand_off(replica, address)
+    else:
+        await membership.change(replica.group, op, address)
     return describe(replica), ()
+
+
+async def _hand_off(replica: "Replica", address: str) -> None:
+    """Hold new writes, then ask ``address`` to take over as soon as it has every entry.
+
+    pysyncobj grants a transfer only when the target has acknowledged the leader's whole log, and
+    under a stream of pushes it rarely has; and a target that campaigns while the leader keeps
+    appending loses the vote to members with newer entries, which ends in a string of elections.
+    So: no new proposals for about two election timeouts (clients get ``Unavailable`` and retry),
+    the in-flight ones commit, the target catches up, TimeoutNow goes out. If the transfer is
+    still refused when the short wait ends, writes resume and the caller retries."""
+    raft = replica.cfg.raft
+    replica.hold_writes(2 * raft.election_timeout_max)
+    deadline = time.monotonic() + raft.election_timeout_min
+    while True:
+        try:
+            await membership.change(replica.group, "transfer", address)
+            return  # the hold lapses by itself; by then this replica is a follower
+        except Unavailable:  # REQUEST_DENIED: the target lacks entries still in flight
+            if time.monotonic() > deadline:
+                replica.hold_writes(0)
+                raise
+            await asyncio.sleep(0.005)

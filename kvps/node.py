@@ -7,6 +7,7 @@ replica's ``/v1/status`` and answers ``/healthz``, ``/readyz``, ``/v1/node`` (it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -23,8 +24,9 @@ import aiohttp
 from aiohttp import web
 
 from kvps.assignment import Assignment
-from kvps.config import ClusterConfig
+from kvps.config import ClusterConfig, NodeConfig
 from kvps.errors import InvalidRequest, KvpsError, Unauthorized
+from kvps.meta_service import NodeMembership
 from kvps.metrics import CONTENT_TYPE, NodeMetrics, merge_expositions
 from kvps.openapi import document
 from kvps.process import python_module_args, spawn, stop_process
@@ -71,10 +73,13 @@ class Node:
         self.config_path = config_path
         self.data_dir = data_dir
         self.token = token
-        # Which shards this node hosts: the config's placement until replicas move
-        # (kvps/rebalance.py pushes new assignments; persisted so a restart keeps them).
+        # Which shards this node hosts: the config's placement until replicas move (the metadata
+        # group's assignment, followed by self.membership; persisted so a restart keeps it).
         self.assignment = self._load_assignment()
         self.replicas = {s: ReplicaProcess(s) for s in self.assignment.shards_of(node_id)}
+        # The metadata group (node list, assignment), followed; the rebalancer on its leader.
+        self.membership = NodeMembership(self)
+        self._stop_event: asyncio.Event | None = None
         self._stopping = False
         self._session: aiohttp.ClientSession | None = None
         self.metrics = NodeMetrics(node_id)
@@ -162,6 +167,20 @@ class Node:
             shutil.rmtree(self.data_dir / f"shard-{rp.shard}", ignore_errors=True)
             log.info("node %d: stopped hosting shard %d; its data is deleted", self.node_id, rp.shard)
 
+    def follow_nodes(self, nodes: list[dict[str, Any]]) -> None:
+        """Adopt the metadata group's node list (joined nodes appear; ids never change)."""
+        known = {n.id: n for n in self.cfg.nodes}
+        new = tuple(NodeConfig(id=n["id"], host=n["host"], admin_port=n["admin_port"],
+                               port_base=n["port_base"], scheme=n["scheme"],
+                               data_dir=known[n["id"]].data_dir if n["id"] in known else f"node-{n['id']}")
+                    for n in nodes)
+        if new != self.cfg.nodes:
+            self.cfg = dataclasses.replace(self.cfg, nodes=new)
+
+    def request_stop(self) -> None:
+        if self._stop_event is not None:
+            self._stop_event.set()
+
     def _check_token(self, request: web.Request) -> None:
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
@@ -227,7 +246,7 @@ class Node:
                 return None
 
         views = await asyncio.gather(*(fetch(n.id) for n in self.cfg.nodes))
-        return build_cluster_map(self.cfg, views, self.assignment)
+        return self.membership.annotate(build_cluster_map(self.cfg, views, self.assignment))
 
     # ---- HTTP --------------------------------------------------------------------------------
 
@@ -239,7 +258,8 @@ class Node:
 
         async def readyz(request: web.Request) -> web.Response:
             missing = [rp.shard for rp in self.replicas.values()
-                       if not rp.status or rp.status.get("leader") is None]
+                       if not rp.status or (rp.status.get("leader") is None
+                                            and rp.status.get("leader_url") is None)]
             if missing:
                 return web.json_response({"ready": False, "shards_without_leader": missing}, status=503)
             return web.json_response({"ready": True})
@@ -282,20 +302,8 @@ class Node:
         async def get_assignment(request: web.Request) -> web.Response:
             return web.json_response(self.assignment.to_json())
 
-        async def put_assignment(request: web.Request) -> web.Response:
-            try:
-                self._check_token(request)
-                try:
-                    new = Assignment.from_json(await request.json())
-                except ValueError as exc:
-                    raise InvalidRequest(f"body is not JSON: {exc}") from exc
-                changed = await self.set_assignment(new)
-            except KvpsError as exc:
-                return web.json_response(exc.to_dict(), status=exc.http_status)
-            return web.json_response({**self.assignment.to_json(), "changed": changed})
-
         app.router.add_get("/v1/assignment", get_assignment)
-        app.router.add_put("/v1/assignment", put_assignment)
+        self.membership.add_routes(app)
         async def openapi(request: web.Request) -> web.Response:
             return web.json_response(document())
 
@@ -348,6 +356,7 @@ class Node:
                 "counters": counters}
 
     async def run(self, stop: asyncio.Event) -> None:
+        self._stop_event = stop
         connector = aiohttp.TCPConnector(ssl=self._client_ssl if self._client_ssl else True)
         self._session = aiohttp.ClientSession(connector=connector)
         runner = web.AppRunner(self.make_app(), access_log=None)
@@ -358,6 +367,7 @@ class Node:
         await site.start()
         log.info("node %d: admin API on %s", self.node_id, me.admin_url)
         loop_task = asyncio.create_task(self._loop())
+        self.membership.start()
         schedule_task = asyncio.create_task(self.snapshots.run_schedule())
         try:
             await stop.wait()
@@ -366,6 +376,7 @@ class Node:
             loop_task.cancel()
             schedule_task.cancel()
             await asyncio.gather(loop_task, schedule_task, return_exceptions=True)
+            await self.membership.stop()
             await self.snapshots.close()
             await asyncio.to_thread(self._stop_replicas)
             await runner.cleanup()

@@ -85,6 +85,17 @@ SNAPSHOTS = {"type": "object", "required": ["snapshots"],
 RESTORED = {"type": "object", "required": ["restored", "time", "keys", "fetched_files"],
             "properties": {"restored": _str, "time": {"type": "number"}, "label": _str, "keys": _int,
                            "shards": _int, "fetched_files": _int}}
+META = {"type": "object", "required": ["version", "nodes", "assignment", "rebalance"],
+        "properties": {
+            "version": _int, "assignment": ASSIGNMENT,
+            "nodes": {"type": "array", "items": {
+                "type": "object", "required": ["id", "host", "admin_port", "port_base", "state"],
+                "properties": {"id": _int, "host": _str, "admin_port": _int, "port_base": _int,
+                               "scheme": _str, "state": {"enum": ["active", "draining", "removed"]}}}},
+            "rebalance": {"type": "object", "required": ["moving", "moves_done"],
+                          "properties": {"moving": {"type": ["object", "null"]}, "moves_done": _int,
+                                         "last": {"type": ["object", "null"]}}},
+            "raft": {"type": "object"}}}
 ERROR = {"type": "object", "required": ["error", "message"],
          "properties": {"error": _str, "message": _str, "fields": {"type": "object"}}}
 
@@ -113,11 +124,7 @@ ADMIN_PATHS: dict[str, dict[str, Any]] = {
     "/v1/keys": {"get": {"summary": "Every key (dense and tables)", "responses": {"200": _json(KEYS)}}},
     "/v1/assignment": {
         "get": {"summary": "Which nodes host each shard's replicas, as this node follows it",
-                "responses": {"200": _json(ASSIGNMENT)}},
-        "put": {"summary": "Follow a newer assignment (start and retire replicas); used by replica moves",
-                "security": [{"bearer": []}],
-                "requestBody": {"required": True, "content": {"application/json": {"schema": ASSIGNMENT}}},
-                "responses": {"200": _json(ASSIGNMENT), "400": _json(ERROR), "401": _json(ERROR)}}},
+                "responses": {"200": _json(ASSIGNMENT)}}},
     "/v1/snapshots": {
         "get": {"summary": "Complete snapshots, oldest first (?all=1: unfinished ones too)",
                 "security": [{"bearer": []}],
@@ -142,6 +149,38 @@ ADMIN_PATHS: dict[str, dict[str, Any]] = {
         "parameters": [{"name": "id", "in": "path", "required": True, "schema": _str}],
         "responses": {"200": _json(RESTORED), "401": _json(ERROR), "404": _json(ERROR),
                       "500": _json(ERROR, "a replica's file is damaged: nothing restored")}}},
+    "/v1/meta": {"get": {"summary": "The metadata group's state: nodes, assignment, rebalancing progress",
+                         "responses": {"200": _json(META), "503": _json(ERROR, "no metadata replica answered")}}},
+    "/v1/nodes": {"post": {
+        "summary": "Join: add a node (host, admin_port, port_base); answers its id, cluster.toml and the secret",
+        "security": [{"bearer": []}],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["host", "admin_port", "port_base"],
+            "properties": {"host": _str, "admin_port": _int, "port_base": _int}}}}},
+        "responses": {"200": _json({"type": "object", "required": ["id", "config", "secret"],
+                                    "properties": {"id": _int, "config": _str, "secret": _str}}),
+                      "400": _json(ERROR), "401": _json(ERROR)}}},
+    "/v1/nodes/{id}/drain": {"post": {
+        "summary": "Drain a node: its replicas move away one at a time, then it is removed and exits",
+        "security": [{"bearer": []}],
+        "parameters": [{"name": "id", "in": "path", "required": True, "schema": _int}],
+        "responses": {"200": _json({"type": "object", "required": ["id", "state"],
+                                    "properties": {"id": _int, "state": _str}}),
+                      "400": _json(ERROR), "401": _json(ERROR)}}},
+    "/v1/moves": {"post": {
+        "summary": "Queue one replica move (the rebalancer runs it; 503 while another move runs)",
+        "security": [{"bearer": []}],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["shard", "source", "target"],
+            "properties": {"shard": _int, "source": _int, "target": _int}}}}},
+        "responses": {"200": _json({"type": "object"}), "400": _json(ERROR), "401": _json(ERROR),
+                      "503": _json(ERROR)}}},
+    "/v1/rebalance": {"post": {
+        "summary": "Switch automatic evening-out of replicas on or off ({\"auto\": bool})",
+        "security": [{"bearer": []}],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["auto"], "properties": {"auto": _bool}}}}},
+        "responses": {"200": _json({"type": "object"}), "400": _json(ERROR), "401": _json(ERROR)}}},
     "/v1/openapi.json": {"get": {"summary": "This document", "responses": {"200": _json({"type": "object"})}}},
 }
 

@@ -19,8 +19,9 @@ interrupted anywhere is finished by running it again with the same arguments. Pu
 flowing: a leader change answers pending pushes as unknown outcome, and clients retry them with
 the same push id, which the replicated applied table deduplicates.
 
-Where assignments live is an ``AssignmentStore``: ``NodeFanout`` (every node holds a copy, pushed
-with ``PUT /v1/assignment``).
+Where assignments live is an ``AssignmentStore``: ``MetaStore``, the metadata Raft group
+(kvps/meta.py), which every node follows. Moves run only in the ``Rebalancer`` on the metadata
+leader, one at a time (``POST /v1/moves`` queues one; ``plan_move`` chooses the rest).
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from kvps.errors import (
     InvalidRequest, KvpsError, RetryableError, Timeout, Unavailable, error_from_dict,
 )
 
-__all__ = ["AssignmentStore", "MoveReport", "Mover", "NodeFanout"]
+__all__ = ["AssignmentStore", "MetaStore", "MoveReport", "Mover", "Rebalancer"]
 
 log = logging.getLogger("kvps.rebalance")
 
@@ -114,39 +115,6 @@ def _decode(status: int, data: bytes, url: str, *, json_body: bool) -> Any:
     return frame.decode(data, kinds=(frame.KIND_RESPONSE,)).meta
 
 
-class NodeFanout:
-    """Assignments held by every node: ``get`` reads the newest any node has; ``put`` sends the new
-    one to every node and fails unless every node took it (retrying the move finishes it)."""
-
-    def __init__(self, http: _Http, nodes: Callable[[], list[NodeConfig]]) -> None:
-        self.http = http
-        self.nodes = nodes
-
-    async def get(self) -> Assignment:
-        found = await asyncio.gather(*(self._get(n) for n in self.nodes()))
-        found = [a for a in found if a is not None]
-        if not found:
-            raise Unavailable("no node answered with its assignment")
-        return max(found, key=lambda a: a.version)
-
-    async def _get(self, node: NodeConfig) -> Assignment | None:
-        try:
-            return Assignment.from_json(await self.http.json("GET", node.admin_url + "/v1/assignment"))
-        except KvpsError:
-            return None
-
-    async def put(self, new: Assignment) -> Assignment:
-        nodes = self.nodes()
-        results = await asyncio.gather(*(self.http.json("PUT", n.admin_url + "/v1/assignment",
-                                                        new.to_json()) for n in nodes),
-                                       return_exceptions=True)
-        for node, res in zip(nodes, results):
-            if isinstance(res, BaseException):
-                log.warning("node %d did not take assignment %d: %s", node.id, new.version, res)
-                raise res if isinstance(res, KvpsError) else Unavailable(str(res))
-        return new
-
-
 class Mover:
     """Runs moves (see the module doc). ``nodes(id)`` gives a node's addresses."""
 
@@ -156,12 +124,6 @@ class Mover:
         self.store = store
         self.node = node
         self.timeout = timeout
-
-    @classmethod
-    def over_http(cls, session: aiohttp.ClientSession, token: str, store_nodes: Callable[[], list[NodeConfig]],
-                  node: Callable[[int], NodeConfig], **kw: Any) -> "Mover":
-        http = _Http(session, token)
-        return cls(http, NodeFanout(http, store_nodes), node, **kw)
 
     # ---- observation ----------------------------------------------------------------------
 
@@ -274,6 +236,81 @@ class Mover:
             await asyncio.sleep(_POLL / 2)
 
 
+_last_said: dict[str, float] = {}
+
+
 def _check(deadline: float, what: str) -> None:
-    if time.monotonic() > deadline:
+    now = time.monotonic()
+    if now > deadline:
         raise Timeout(f"timed out waiting for {what}")
+    if now - _last_said.setdefault(what, now) > 10.0:  # say what a long wait is waiting for
+        _last_said[what] = now
+        log.info("still waiting for %s", what)
+
+
+class MetaStore:
+    """Assignments in the metadata Raft group (``kvps.meta_service.MetaService``); used on its
+    leader, whose applied state is current once a proposal returns."""
+
+    def __init__(self, meta: Any) -> None:
+        self.meta = meta
+
+    async def get(self) -> Assignment:
+        return self.meta.state().assignment
+
+    async def put(self, new: Assignment) -> Assignment:
+        await self.meta.propose({"op": "set_assignment", "assignment": new.to_json()})
+        return new
+
+
+class Rebalancer:
+    """On the metadata leader: moves replicas one at a time until draining nodes host nothing and
+    active nodes differ by at most one replica; marks drained nodes ``removed``. Progress is
+    replicated (``rebalance`` in the metadata state), so every node shows it and a new leader
+    resumes an interrupted move."""
+
+    def __init__(self, meta: Any, mover: Mover, replicas: int, *, period: float = 0.5) -> None:
+        self.meta = meta
+        self.mover = mover
+        self.replicas = replicas
+        self.period = period
+        self.failures = 0  # consecutive failed steps (back-off)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                if self.meta.is_leader():
+                    await self.step()
+            except KvpsError as exc:
+                log.warning("rebalancer: %s; retrying", exc)
+                await asyncio.sleep(min(30.0, 1.0 * 2 ** min(self.failures, 5)))
+                self.failures += 1
+            except Exception:  # a bug must not silently end rebalancing: log it, back off, go on
+                log.exception("rebalancer: step failed; retrying")
+                await asyncio.sleep(min(30.0, 1.0 * 2 ** min(self.failures, 5)))
+                self.failures += 1
+            await asyncio.sleep(self.period)
+
+    async def step(self) -> bool:
+        """One move, or one drained node marked removed; False when there was nothing to do."""
+        from kvps.meta import plan_move
+        state = self.meta.state()
+        move = plan_move(state, self.replicas)
+        if move is None:
+            for node in state.nodes:
+                if node["state"] == "draining" and not state.assignment.shards_of(node["id"]):
+                    await self.meta.propose({"op": "set_node_state", "id": node["id"], "state": "removed"})
+                    log.info("rebalancer: node %d drained and removed", node["id"])
+                    return True
+            return False
+        shard, source, target = move
+        done = int(state.rebalance.get("moves_done", 0))
+        if not state.rebalance.get("moving"):
+            await self.meta.propose({"op": "rebalance", "moving": {"shard": shard, "source": source,
+                                                                   "target": target}})
+        log.info("rebalancer: moving shard %d's replica from node %d to node %d", shard, source, target)
+        report = await self.mover.move(shard, source, target)
+        await self.meta.propose({"op": "rebalance", "moving": None, "moves_done": done + 1,
+                                 "last": report.to_json()})
+        self.failures = 0
+        return True

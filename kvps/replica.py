@@ -70,6 +70,9 @@ class Replica:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._applied = asyncio.Event()  # pulsed after every apply (follower reads wait on it)
         self._serving_term = -1  # term whose barrier this replica has applied as leader
+        # While leadership is handed to another member (kvps/membership.py), no new writes: the
+        # target must have every entry for pysyncobj to grant the transfer and for it to win.
+        self._writes_held_until = 0.0
         self._barrier_task: asyncio.Task | None = None
         self._batcher: PushBatcher | None = None
         self.counters = {"pushes": 0, "pulls": 0, "batches": 0, "batched_pushes": 0,
@@ -503,14 +506,28 @@ class Replica:
 
     def leader_hint(self) -> str | None:
         addr = self.group.leader_address()
-        return self._data_urls.get(addr) if addr else None
+        return self._data_url_of(addr) if addr else None
+
+    def _data_url_of(self, address: str) -> str:
+        """A member's data URL; a node that joined after this replica started is not in its config,
+        but every node serves a shard's data on the port after its raft port (NodeConfig)."""
+        if address in self._data_urls:
+            return self._data_urls[address]
+        host, port = address.rsplit(":", 1)
+        return f"{self.cfg.node(self.node_id).scheme}://{host}:{int(port) + 1}"
 
     def _not_leader(self) -> NotLeader:
         return NotLeader(f"replica {self.address} of shard {self.shard} is not the leader",
                          leader_hint=self.leader_hint(), shard=self.shard)
 
+    def hold_writes(self, seconds: float) -> None:
+        """Answer writes and leader reads with ``Unavailable`` (clients retry) for ``seconds``."""
+        self._writes_held_until = time.monotonic() + seconds
+
     async def ensure_serving(self) -> None:
         """Return once this replica is the leader and has applied its barrier."""
+        if time.monotonic() < self._writes_held_until:
+            raise Unavailable("leadership is being handed to another replica", shard=self.shard)
         deadline = time.monotonic() + self.cfg.server.barrier_wait
         # Hold a request about one election long when no leader is known: a replica cut off from
         # its peers never learns one, and the client should move on to another replica.
@@ -683,7 +700,7 @@ class Replica:
             "shard": self.shard, "node": self.node_id, "pid": os.getpid(), "raft": self.address,
             "data_url": self.cfg.node(self.node_id).data_url(self.shard),
             "role": st["role"], "term": st["term"], "leader": self._node_of(st["leader"]),
-            "leader_url": self._data_urls.get(st["leader"]) if st["leader"] else None,
+            "leader_url": self._data_url_of(st["leader"]) if st["leader"] else None,
             "serving": st["role"] == "leader" and self._serving_term == st["term"],
             "commit_index": st["commit_index"], "applied_index": st["applied_index"],
             "log_entries": st["log_entries"], "compactions": st.get("compactions"),
@@ -703,7 +720,8 @@ class Replica:
             lag = None if match is None else max(0, last - match)
             seconds = 0.0
             if lag:
-                first_missing = next((t for i, t in self._applied_at if i > match), None)
+                # list(): the tick thread appends meanwhile (a deque refuses mutation mid-iteration)
+                first_missing = next((t for i, t in list(self._applied_at) if i > match), None)
                 seconds = round(now - first_missing, 3) if first_missing is not None else None
             out[addr] = {"connected": p["connected"], "match_index": match, "lag_entries": lag,
                          "lag_seconds": seconds}

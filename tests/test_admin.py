@@ -168,11 +168,14 @@ def test_node_admin_routes_are_read_only(cluster):
     node = Node(cluster.cfg, 0, cluster.config_path, cluster.data_dir / "node-0", cluster.token)
     routes = {(r.method, r.resource.canonical) for r in node.make_app().router.routes()
               if r.method != "HEAD"}
-    mutating = {("PUT", "/v1/assignment"), ("POST", "/v1/snapshots"), ("POST", "/v1/snapshots/restore"),
+    mutating = {("POST", "/v1/nodes"), ("POST", "/v1/nodes/{id}/drain"), ("POST", "/v1/moves"),
+                ("POST", "/v1/rebalance"),
+                ("POST", "/v1/snapshots"), ("POST", "/v1/snapshots/restore"),
                 ("DELETE", "/v1/snapshots/{id}"), ("POST", "/v1/snapshots/{id}/restore")}
     assert routes == {("GET", p) for p in ("/healthz", "/readyz", "/metrics", "/v1/node",
                                           "/v1/cluster", "/v1/shards/{id}", "/v1/keys",
-                                          "/v1/openapi.json", "/v1/assignment", "/v1/snapshots")} | mutating
+                                          "/v1/openapi.json", "/v1/assignment", "/v1/meta",
+                                          "/v1/snapshots")} | mutating
     # every mutating route, and the snapshot list, demand the token
     for method, path in sorted(mutating | {("GET", "/v1/snapshots")}):
         url = cluster.endpoints[0] + path.replace("{id}", "some-id")

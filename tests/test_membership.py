@@ -56,3 +56,94 @@ def test_pysyncobj_membership_internals_are_where_we_expect():
     # a change is refused until the leader's no-op of its term is applied
     assert "if self.__raftLastApplied < self.__noopIDx: # No-op entry was not commited yet return False" \
         in src(SyncObj._SyncObj__changeCluster)
+
+
+# ---- the metadata state machine and the rebalancing plan ----------------------------------------
+
+from kvps.meta import MetaState, meta_address, plan_move  # noqa: E402
+
+
+def settle(state: MetaState, replicas: int = 3, limit: int = 100) -> list[tuple[int, int, int]]:
+    """Apply plan_move's moves (as the rebalancer would, in one step each) until it has none."""
+    moves = []
+    while (move := plan_move(state, replicas)) is not None:
+        shard, source, target = move
+        nodes = [target if n == source else n for n in state.assignment.nodes_of(shard)]
+        assert state.apply({"op": "set_assignment",
+                            "assignment": state.assignment.with_shard(shard, nodes).to_json()})["ok"]
+        moves.append(move)
+        assert len(moves) < limit
+    return moves
+
+
+def add_node(state: MetaState, port: int) -> int:
+    return state.apply({"op": "add_node", "host": "127.0.0.1", "admin_port": port,
+                        "port_base": port + 1, "scheme": "http"})["id"]
+
+
+def test_join_is_idempotent_and_refuses_taken_ports():
+    state = MetaState.initial(cfg(3, 8))
+    assert add_node(state, 9000) == 3
+    assert add_node(state, 9000) == 3  # a retried join gets its id back
+    r = state.apply({"op": "add_node", "host": "127.0.0.1", "admin_port": 9100, "port_base": 9001,
+                     "scheme": "http"})
+    assert "error" in r and len(state.nodes) == 4
+    assert state.apply({"op": "nope"})["error"]
+    assert meta_address(cfg(3, 8).node(1), 8).endswith(":7216")
+
+
+def test_growing_spreads_replicas_evenly_one_move_at_a_time():
+    state = MetaState.initial(cfg(3, 8))  # 24 replicas on 3 nodes
+    assert plan_move(state, 3) is None
+    add_node(state, 9000), add_node(state, 9100)
+    moves = settle(state)
+    load = state.assignment.load(state.active_nodes())
+    assert max(load.values()) - min(load.values()) <= 1 and sum(load.values()) == 24
+    assert len(moves) == 9  # 24 over 5: the two new nodes take 5 and 4
+    for s in range(8):  # never two replicas of a shard on one node
+        assert len(set(state.assignment.nodes_of(s))) == 3
+
+
+def test_draining_moves_every_replica_away_then_the_node_can_be_removed():
+    state = MetaState.initial(cfg(3, 8))
+    add_node(state, 9000), add_node(state, 9100)
+    settle(state)
+    assert state.apply({"op": "set_node_state", "id": 4, "state": "removed"})["error"]  # still hosts
+    for n in (3, 4):
+        assert state.apply({"op": "set_node_state", "id": n, "state": "draining"})["ok"]
+    settle(state)
+    assert state.assignment.shards_of(3) == state.assignment.shards_of(4) == []
+    assert state.apply({"op": "set_node_state", "id": 4, "state": "removed"})["ok"]
+    load = state.assignment.load([0, 1, 2])
+    assert load == {0: 8, 1: 8, 2: 8}
+
+
+def test_an_interrupted_move_is_resumed_first_and_stale_assignments_conflict():
+    state = MetaState.initial(cfg(3, 8))
+    add_node(state, 9000)
+    state.apply({"op": "rebalance", "moving": {"shard": 5, "source": 0, "target": 3}, "moves_done": 2})
+    assert plan_move(state, 3) == (5, 0, 3)
+    stale = state.assignment.to_json()  # same version: does not follow the current one
+    assert state.apply({"op": "set_assignment", "assignment": stale}).get("conflict")
+
+
+def test_meta_snapshot_round_trips_byte_identically():
+    state = MetaState.initial(cfg(3, 8))
+    add_node(state, 9000)
+    settle(state)
+    again = MetaState.restore(state.snapshot())
+    assert again.snapshot() == state.snapshot() and again.version == state.version
+
+
+def test_status_shows_node_states_and_rebalancing_progress():
+    from kvps.cli import format_status
+    cmap = {"nodes": [{"id": 0, "reachable": True, "state": "active"},
+                      {"id": 1, "reachable": True, "state": "draining"},
+                      {"id": 2, "reachable": False, "state": "removed"}],
+            "shards": [{"id": 0, "leader": 0, "term": 3, "replicas": [
+                {"node": 0, "role": "leader", "alive": True, "applied_index": 5}]}],
+            "membership": {"rebalance": {"moving": {"shard": 0, "source": 1, "target": 0},
+                                         "moves_done": 4}}}
+    text = format_status(cmap).splitlines()
+    assert text[-2] == "rebalance: moving shard 0's replica from node 1 to node 0; 4 moves done"
+    assert text[-1].startswith("nodes: 0:up, 1:up (draining)    1/1 shards healthy")

@@ -1,0 +1,121 @@
+"""``kvps node join`` and ``kvps node drain``: grow and shrink a running cluster.
+
+    kvps node join --seed URL --port P --data-dir DIR [--host H] [--token T]
+    kvps node drain ID [--endpoint URL] [--token T] [--no-wait] [--timeout S]
+
+``join`` asks the seed (any node) to add a node at ``H:P`` (admin API; shard ports P+1 ..
+P+2*shards) to the metadata group, writes the cluster's ``cluster.toml``, ``secret`` and ``token``
+into DIR, and then runs that node in the foreground like ``kvps node`` (Ctrl-C / SIGTERM stop it;
+run the same command again to restart it: a repeated join gets the same id back). The
+rebalancer then moves replicas onto it, one at a time. ``drain`` marks a node draining: its
+replicas move away one at a time, then it is marked removed and its process exits; without
+``--no-wait`` the command prints progress until then. Both need the cluster token.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from kvps.errors import KvpsError
+
+__all__ = ["main"]
+
+DEFAULT_ENDPOINT = "http://127.0.0.1:7100"
+
+
+def _request(method: str, url: str, token: str, body: dict | None = None, timeout: float = 15.0) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={
+        "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read()).get("message", str(exc))
+        except ValueError:
+            message = str(exc)
+        raise KvpsError(f"{method} {url}: {message}") from exc
+    except (OSError, ValueError) as exc:
+        raise KvpsError(f"cannot reach {url}: {exc}") from exc
+
+
+def join(args: argparse.Namespace) -> int:
+    from kvps.cli import _run_node
+    if not args.token:
+        raise KvpsError("the cluster token is needed: --token or $KVPS_TOKEN")
+    reply = _request("POST", args.seed.rstrip("/") + "/v1/nodes", args.token,
+                     {"host": args.host, "admin_port": args.port, "port_base": args.port + 1})
+    node_id = int(reply["id"])
+    data_dir = Path(args.data_dir).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / "cluster.toml").write_text(reply["config"])
+    node_dir = data_dir / f"node-{node_id}"
+    node_dir.mkdir(exist_ok=True)
+    if not (node_dir / "assignment.json").exists():  # a restarted join keeps what it follows
+        (node_dir / "assignment.json").write_text(json.dumps(reply["assignment"]))
+    for name, text in (("secret", reply["secret"]), ("token", args.token)):
+        path = data_dir / name
+        path.touch(mode=0o600)
+        path.write_text(text + "\n")
+    print(f"joined as node {node_id}: admin API http://{args.host}:{args.port}, data in {data_dir}",
+          flush=True)
+    asyncio.run(_run_node(data_dir / "cluster.toml", node_id))
+    return 0
+
+
+def drain(args: argparse.Namespace) -> int:
+    base = args.endpoint.rstrip("/")
+    if not args.token:
+        raise KvpsError("the cluster token is needed: --token or $KVPS_TOKEN")
+    _request("POST", f"{base}/v1/nodes/{args.id}/drain", args.token, {})
+    print(f"node {args.id} is draining", flush=True)
+    if args.no_wait:
+        return 0
+    deadline = time.monotonic() + args.timeout
+    last = None
+    while time.monotonic() < deadline:
+        meta = _request("GET", f"{base}/v1/meta", args.token)
+        state = meta["nodes"][args.id]["state"]
+        hosted = [s["id"] for s in meta["assignment"]["shards"] if args.id in s["nodes"]]
+        line = f"  node {args.id}: {state}, hosts shards {hosted}; moving {meta['rebalance'].get('moving')}"
+        if line != last:
+            print(line, flush=True)
+            last = line
+        if state == "removed":
+            print(f"node {args.id} removed", flush=True)
+            return 0
+        time.sleep(0.5)
+    raise KvpsError(f"node {args.id} was not drained within {args.timeout:.0f} s")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvps node", description="grow or shrink a running cluster")
+    sub = p.add_subparsers(dest="action", required=True)
+    j = sub.add_parser("join", help="add a node to a running cluster and run it (foreground)")
+    j.add_argument("--seed", required=True, help="admin URL of any node of the cluster")
+    j.add_argument("--port", type=int, required=True, help="admin port; shard ports follow it")
+    j.add_argument("--data-dir", required=True)
+    j.add_argument("--host", default="127.0.0.1", help="address the other nodes reach this one at")
+    j.add_argument("--token", default=os.environ.get("KVPS_TOKEN"))
+    d = sub.add_parser("drain", help="move a node's replicas away, then remove it")
+    d.add_argument("id", type=int)
+    d.add_argument("--endpoint", default=os.environ.get("KVPS_ENDPOINT", DEFAULT_ENDPOINT))
+    d.add_argument("--token", default=os.environ.get("KVPS_TOKEN"))
+    d.add_argument("--no-wait", action="store_true")
+    d.add_argument("--timeout", type=float, default=3600.0)
+    args = p.parse_args(argv)
+    try:
+        return join(args) if args.action == "join" else drain(args)
+    except KvpsError as exc:
+        print(f"kvps node {args.action}: {' '.join(exc.message.split())[:500]}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,182 @@
+"""The cluster map as replicated state: the node list and the shard -> replicas assignment.
+
+Pure (no I/O). ``MetaState`` is the state machine of the small metadata Raft group that runs on the
+cluster's first nodes (``meta_nodes``); ``kvps/meta_service.py`` wires it to a ``ShardGroup``.
+Commands are JSON objects (``{"op": ...}``); ``apply`` is deterministic and returns results as
+values (``{"ok": ...}`` or ``{"error": ...}``), never raises. The state serializes to canonical JSON
+(same commands => same bytes).
+
+Nodes are never deleted from the list, only marked ``removed``: ids stay 0..n-1, so a node's id is
+its index in ``ClusterConfig.nodes`` everywhere. A node is ``active`` (may host replicas),
+``draining`` (its replicas are moving away; the rebalancer places nothing on it) or ``removed``
+(hosts nothing; its process exits).
+
+``rebalance`` is progress the rebalancer reports (what it is moving, how many moves are done),
+replicated so that every node shows it and a new meta leader knows an interrupted move.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvps.assignment import Assignment
+
+__all__ = ["MetaState", "NODE_STATES", "meta_address", "meta_nodes", "plan_move"]
+
+NODE_STATES = ("active", "draining", "removed")
+META_REPLICAS = 3
+_NODE_FIELDS = ("host", "admin_port", "port_base", "scheme")
+
+
+def meta_nodes(initial_node_ids: list[int]) -> list[int]:
+    """The nodes that run the metadata group: the first three of the initial cluster."""
+    return sorted(initial_node_ids)[:META_REPLICAS]
+
+
+def meta_address(node: Any, shards: int) -> str:
+    """Raft address of ``node``'s metadata replica: the port after its shard ports."""
+    return f"{node.host}:{node.port_base + 2 * shards}"
+
+
+class MetaState:
+    def __init__(self, nodes: list[dict[str, Any]], assignment: Assignment) -> None:
+        self.nodes = nodes  # index = node id; {"id", "host", "admin_port", "port_base", "scheme", "state"}
+        self.assignment = assignment
+        self.version = 0  # bumped by every change
+        # auto: even out the load by itself (drains and requested moves run either way)
+        self.rebalance: dict[str, Any] = {"moving": None, "moves_done": 0, "last": None, "auto": True}
+
+    @classmethod
+    def initial(cls, cfg: Any) -> "MetaState":
+        nodes = [{"id": n.id, **{f: getattr(n, f) for f in _NODE_FIELDS}, "state": "active"}
+                 for n in cfg.nodes]
+        return cls(nodes, Assignment.initial(cfg))
+
+    # ---- the state machine ---------------------------------------------------------------------
+
+    def apply(self, command: dict[str, Any]) -> dict[str, Any]:
+        op = command.get("op") if isinstance(command, dict) else None
+        handler = getattr(self, f"_apply_{op}", None) if isinstance(op, str) else None
+        if handler is None:
+            return {"error": f"unknown meta command {op!r}"}
+        try:
+            result = handler(command)
+        except (KeyError, TypeError, ValueError) as exc:
+            return {"error": f"bad {op} command: {type(exc).__name__}: {exc}"}
+        if "error" not in result:
+            self.version += 1
+            result["version"] = self.version
+        return result
+
+    def _apply_add_node(self, c: dict[str, Any]) -> dict[str, Any]:
+        spec = {f: c[f] for f in _NODE_FIELDS}
+        for node in self.nodes:  # the same node asking again (a retried join) gets its id back
+            if {f: node[f] for f in _NODE_FIELDS} == spec and node["state"] != "removed":
+                return {"ok": True, "id": node["id"], "existing": True}
+        for node in self.nodes:
+            if node["state"] != "removed" and node["host"] == spec["host"] and (
+                    node["admin_port"] == spec["admin_port"] or node["port_base"] == spec["port_base"]):
+                return {"error": f"node {node['id']} already uses these ports on {spec['host']}"}
+        node_id = len(self.nodes)
+        self.nodes.append({"id": node_id, **spec, "state": "active"})
+        return {"ok": True, "id": node_id}
+
+    def _apply_set_node_state(self, c: dict[str, Any]) -> dict[str, Any]:
+        node_id, state = int(c["id"]), c["state"]
+        if state not in NODE_STATES or not 0 <= node_id < len(self.nodes):
+            return {"error": f"bad node state change {node_id} -> {state!r}"}
+        if state == "removed" and self.assignment.shards_of(node_id):
+            return {"error": f"node {node_id} still hosts shards {self.assignment.shards_of(node_id)}"}
+        self.nodes[node_id]["state"] = state
+        return {"ok": True}
+
+    def _apply_set_assignment(self, c: dict[str, Any]) -> dict[str, Any]:
+        new = Assignment.from_json(c["assignment"])
+        if new.version != self.assignment.version + 1 or len(new.shards) != len(self.assignment.shards):
+            return {"error": f"assignment {new.version} does not follow {self.assignment.version}",
+                    "conflict": True}
+        if any(n >= len(self.nodes) or self.nodes[n]["state"] == "removed"
+               for nodes in new.shards for n in nodes):
+            return {"error": "assignment places a replica on an unknown or removed node"}
+        self.assignment = new
+        return {"ok": True}
+
+    def _apply_rebalance(self, c: dict[str, Any]) -> dict[str, Any]:
+        """Progress from the rebalancer, or ``auto`` switched; only the fields given change."""
+        for name in ("moving", "moves_done", "last", "auto"):
+            if name in c:
+                self.rebalance[name] = c[name]
+        return {"ok": True}
+
+    def _apply_request_move(self, c: dict[str, Any]) -> dict[str, Any]:
+        """Queue one move for the rebalancer (it runs one at a time)."""
+        shard, source, target = int(c["shard"]), int(c["source"]), int(c["target"])
+        if self.rebalance.get("moving"):
+            return {"error": "a move is in progress", "busy": True}
+        if not 0 <= shard < len(self.assignment.shards):
+            return {"error": f"no shard {shard}"}
+        nodes = self.assignment.nodes_of(shard)
+        if source not in nodes or target in nodes:
+            return {"error": f"shard {shard} is on nodes {list(nodes)}: cannot move {source} -> {target}"}
+        if not 0 <= target < len(self.nodes) or self.nodes[target]["state"] != "active":
+            return {"error": f"node {target} is not an active node"}
+        self.rebalance["moving"] = {"shard": shard, "source": source, "target": target}
+        return {"ok": True}
+
+    # ---- views -------------------------------------------------------------------------------
+
+    def active_nodes(self) -> list[int]:
+        return [n["id"] for n in self.nodes if n["state"] == "active"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "nodes": self.nodes, "assignment": self.assignment.to_json(),
+                "rebalance": self.rebalance}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "MetaState":
+        state = cls([dict(n) for n in data["nodes"]], Assignment.from_json(data["assignment"]))
+        state.version = int(data["version"])
+        state.rebalance = dict(data.get("rebalance") or state.rebalance)
+        return state
+
+    def snapshot(self) -> bytes:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def restore(cls, data: bytes) -> "MetaState":
+        return cls.from_json(json.loads(data))
+
+
+def plan_move(state: MetaState, replicas: int) -> tuple[int, int, int] | None:
+    """The next replica move ``(shard, source, target)``, or None when the placement is settled.
+
+    An interrupted move (recorded in ``rebalance.moving``) comes first; then replicas on draining
+    nodes move to the least-loaded active node without one; then, while the most- and
+    least-loaded active nodes differ by more than one replica, one moves from the former to the
+    latter. Ties break by node id, so every leader plans alike.
+    """
+    moving = state.rebalance.get("moving")
+    if moving:
+        return int(moving["shard"]), int(moving["source"]), int(moving["target"])
+    a = state.assignment
+    active = state.active_nodes()
+    if not active:
+        return None
+    load = a.load(active)
+    for node in state.nodes:
+        if node["state"] != "draining":
+            continue
+        for shard in a.shards_of(node["id"]):
+            free = [n for n in active if n not in a.nodes_of(shard)]
+            if free:
+                return shard, node["id"], min(free, key=lambda n: (load[n], n))
+    if not state.rebalance.get("auto", True):
+        return None
+    hi = max(active, key=lambda n: (load[n], -n))
+    lo = min(active, key=lambda n: (load[n], n))
+    if load[hi] - load[lo] <= 1:
+        return None
+    for shard in a.shards_of(hi):
+        if lo not in a.nodes_of(shard) and len(a.nodes_of(shard)) <= replicas:
+            return shard, hi, lo
+    return None
