@@ -309,7 +309,14 @@ class Rebalancer:
             await self.meta.propose({"op": "rebalance", "moving": {"shard": shard, "source": source,
                                                                    "target": target}})
         log.info("rebalancer: moving shard %d's replica from node %d to node %d", shard, source, target)
-        report = await self.mover.move(shard, source, target)
+        try:
+            report = await self.mover.move(shard, source, target)
+        except InvalidRequest as exc:  # the move no longer makes sense (placement changed): drop it
+            log.warning("rebalancer: dropping the move of shard %d from node %d to node %d: %s",
+                        shard, source, target, exc)
+            await self.meta.propose({"op": "rebalance", "moving": None, "last": {
+                "shard": shard, "source": source, "target": target, "error": exc.message}})
+            return True
         await self.meta.propose({"op": "rebalance", "moving": None, "moves_done": done + 1,
                                  "last": report.to_json()})
         self.failures = 0

@@ -147,3 +147,71 @@ def test_status_shows_node_states_and_rebalancing_progress():
     text = format_status(cmap).splitlines()
     assert text[-2] == "rebalance: moving shard 0's replica from node 1 to node 0; 4 moves done"
     assert text[-1].startswith("nodes: 0:up, 1:up (draining)    1/1 shards healthy")
+
+
+# ---- the rebalancer's loop, against the real state machine and a fake mover -----------------
+
+import asyncio  # noqa: E402
+import copy  # noqa: E402
+
+from kvps.rebalance import MoveReport, Rebalancer  # noqa: E402
+
+
+class _Meta:
+    def __init__(self, state: MetaState) -> None:
+        self._state = state
+
+    def state(self) -> MetaState:
+        return copy.deepcopy(self._state)
+
+    def is_leader(self) -> bool:
+        return True
+
+    async def propose(self, command: dict) -> dict:
+        result = self._state.apply(copy.deepcopy(command))
+        assert "error" not in result, result
+        return result
+
+
+class _Mover:
+    """Moves by rewriting the assignment, as a finished real move leaves it."""
+
+    def __init__(self, meta: _Meta, refuse: bool = False) -> None:
+        self.meta, self.refuse, self.moves = meta, refuse, []
+
+    async def move(self, shard: int, source: int, target: int) -> MoveReport:
+        if self.refuse:
+            raise InvalidRequest(f"shard {shard} has no replica on node {source}")
+        a = self.meta.state().assignment
+        nodes = [target if n == source else n for n in a.nodes_of(shard)]
+        await self.meta.propose({"op": "set_assignment", "assignment": a.with_shard(shard, nodes).to_json()})
+        self.moves.append((shard, source, target))
+        return MoveReport(shard, source, target, seconds=0.1)
+
+
+def test_rebalancer_grows_then_drains_and_removes_the_node():
+    meta = _Meta(MetaState.initial(cfg(3, 4)))
+    add_node(meta._state, 9000)
+    mover = _Mover(meta)
+    rebalancer = Rebalancer(meta, mover, replicas=3)
+
+    async def run_until_idle() -> None:
+        while await rebalancer.step():
+            pass
+
+    asyncio.run(run_until_idle())
+    assert meta.state().assignment.load([0, 1, 2, 3]) == {0: 3, 1: 3, 2: 3, 3: 3}
+    assert meta.state().rebalance["moves_done"] == len(mover.moves) == 3
+    asyncio.run(meta.propose({"op": "set_node_state", "id": 3, "state": "draining"}))
+    asyncio.run(run_until_idle())
+    assert meta.state().nodes[3]["state"] == "removed" and meta.state().assignment.shards_of(3) == []
+    assert meta.state().rebalance["moving"] is None
+
+
+def test_rebalancer_drops_a_move_that_no_longer_makes_sense():
+    meta = _Meta(MetaState.initial(cfg(3, 4)))
+    add_node(meta._state, 9000)
+    rebalancer = Rebalancer(meta, _Mover(meta, refuse=True), replicas=3)
+    assert asyncio.run(rebalancer.step())
+    rebalance = meta.state().rebalance
+    assert rebalance["moving"] is None and "error" in rebalance["last"]
