@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -200,6 +201,12 @@ def main() -> int:
             dd = dd_peer(disk, 3 * snap["size"], 3, drop)
         finally:
             c.stop()
+            logs = out / "logs"  # the cluster's logs outlive its data (elections, compactions)
+            shutil.rmtree(logs, ignore_errors=True)
+            for log in (root / "cluster").glob("node-*/logs/*.log"):
+                dest = logs / log.parent.parent.name / log.name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(log, dest)
 
     copies = 3
     base = (before + after) / 2

@@ -27,6 +27,7 @@ import numpy as np
 
 from kvps.delta import frame
 from kvps.errors import CodecError
+from kvps.raft.snapshot_file import write_buffers
 
 __all__ = ["MAGIC", "SnapshotFile", "digest_of", "disk_usage", "file_path", "listed_ids", "read", "read_bytes", "remove",
            "sweep", "write_parts"]
@@ -35,7 +36,6 @@ MAGIC = b"KVPSUSNP"
 VERSION = 1
 _HEADER = struct.Struct("<8sHHIQH32s")
 _CRC = struct.Struct("<I")
-_WRITE_CHUNK = 64 << 20  # os.write of at most this much at a time (bounded syscalls, progress)
 
 
 class SnapshotFile:
@@ -72,12 +72,7 @@ def write_parts(path: Path, snap_id: str, shard: int, meta: dict, arrays: Sequen
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        _write_all(fd, head)
-        for part in parts:
-            view = memoryview(part).cast("B")
-            for at in range(0, len(view), _WRITE_CHUNK):
-                _write_all(fd, view[at:at + _WRITE_CHUNK])
-        os.fsync(fd)
+        write_buffers(fd, [head, *parts])  # synced as it goes, fsynced at the end
     finally:
         os.close(fd)
     os.replace(tmp, path)
@@ -155,13 +150,6 @@ def sweep(data_dir: Path, shard: int) -> int:
 def listed_ids(data_dir: Path, shard: int) -> list[str]:
     root = Path(data_dir) / "snapshots"
     return sorted(p.parent.name for p in root.glob(f"*/shard-{shard}.kvsnap"))
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
 
 
 def _fsync_dir(path: Path) -> None:
