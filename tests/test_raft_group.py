@@ -554,3 +554,39 @@ def test_a_dropped_connection_to_a_live_leader_does_not_depose_it(tmp_path):
         assert c.wait_converged() == [b"first", *(b"during-%d" % i for i in range(drops))]
     finally:
         c.stop_all()
+
+
+def test_a_stale_append_from_the_leader_does_not_truncate_a_follower(cluster, caplog):
+    """A re-sent append whose prevLogIdx lies below a follower's last entry (a reconnect, a reset,
+    a stall) must not cut entries the follower holds from this leader: pysyncobj alone deletes
+    its log from prevLogIdx + 1 and logs that the state machine may have diverged."""
+    c = cluster
+    c.start_all()
+    for i in range(10):
+        c.propose(b"e-%d" % i)
+    c.wait_converged()
+    leader = c.leader()
+    follower = next(g for g in c.groups.values() if g is not leader)
+    log = follower._SyncObj__raftLog
+    before = [tuple(log[i][1:]) for i in range(len(log))]
+    last_idx, term = log[len(log) - 1][1], leader.term()
+    first = log[0][1]
+    prev = last_idx - 6
+    stale = {"type": "append_entries", "term": term, "prevLogIdx": prev,
+             "prevLogTerm": log[prev - first][2], "commit_index": leader.raftCommitIndex,
+             "entries": [log[i - first] for i in range(prev + 1, prev + 3)]}
+    leader_node = next(n for n in follower.otherNodes if n.address == leader.selfNode.address)
+    caplog.set_level(logging.CRITICAL, logger="pysyncobj.syncobj")
+    done = threading.Event()
+
+    def deliver() -> None:  # on the follower's tick thread, like a real message
+        follower._SyncObj__transport._onMessageReceived(leader_node, stale)
+        done.set()
+    follower.addOnTickCallback(deliver)
+    wait_for(done.is_set, 10, "the stale append to be delivered")
+    follower.removeOnTickCallback(deliver)
+    assert [tuple(log[i][1:]) for i in range(len(log))][:len(before)] == before
+    assert not [r for r in caplog.records if "truncating already-applied" in r.getMessage()]
+    assert follower.transport_stats()["appends_rebased"] >= 1
+    c.propose(b"after")  # and the group goes on
+    assert c.wait_converged()[-1] == b"after"

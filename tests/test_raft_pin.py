@@ -223,6 +223,19 @@ def test_next_index_handling_the_pipelining_fix_relies_on():
     assert "if len(entries) == 1 and len(entries[0][0]) >= batchSizeBytes:" in send
 
 
+def test_follower_append_handling_the_rebase_relies_on():
+    """transport.AuthTransport._rebase_append (see its comment): SyncObj keeps its log in
+    __raftLog as (command, index, term) entries, truncates after prevLogIdx whenever it holds more,
+    and never lowers a follower's matchIndex (so a truncated follower stays counted)."""
+    receive = src(SyncObj._SyncObj__onMessageReceived)
+    assert ("prevLogIdx = message['prevLogIdx'] prevLogTerm = message['prevLogTerm'] "
+            "prevEntries = self.__getEntries(prevLogIdx)") in receive
+    assert "if len(prevEntries) > 1:" in receive
+    assert "self.__deleteEntriesFrom(prevLogIdx + 1) for entry in newEntries: self.__raftLog.add(*entry)" in receive
+    assert "if self.__raftMatchIndex[node] < currentNodeIdx:" in receive
+    assert "self.__raftLog = createJournal(" in src(SyncObj.__init__)
+
+
 def test_the_election_deadline_fast_failover_moves():
     """failover.hasten_election writes SyncObj.__raftElectionDeadline, a monotonic time that the tick
     compares with the same clock; a leader's append resets it to a full timeout, as does a vote."""

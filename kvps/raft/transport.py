@@ -204,6 +204,7 @@ class TransportStats:
     bytes_received: int = 0
     rejected: int = 0  # connections dropped for a handshake or framing violation
     appends_deferred: int = 0  # appends not sent because the peer's queue was full
+    appends_rebased: int = 0  # stale appends a follower applied after its log, not truncating it
     probes: int = 0  # ports of members that closed their connection probed (module doc)
     peers_gone: int = 0  # probes refused: the member's process was gone
 
@@ -361,7 +362,43 @@ class AuthTransport(TCPTransport):
                 self._sentUpTo[node] = (message["term"], message["entries"][-1][1])
         return sent
 
+    # -- follower side: never truncate entries we already hold from this leader -----------------
+    #
+    # On any append_entries whose prevLogIdx is below its last index, SyncObj deletes its log from
+    # prevLogIdx + 1 and re-adds the message's entries, whether or not they differ ("truncating
+    # already-applied log entries ... may have diverged"). Raft deletes only from the first
+    # *conflicting* entry. A stale or re-sent append (a reconnect, a reset, a stall) can then cut
+    # entries this follower already acknowledged, so the leader counts it for entries it no
+    # longer has. When our last entry carries the leader's current term, the leader wrote it and
+    # still has it, so by Log Matching our log equals the leader's up to there: the message is
+    # rewritten to append after our last entry (only its entries beyond it, none truncated), and
+    # the reply (matching up to our last index) is true. Anything else goes to SyncObj as sent.
+
+    def _rebase_append(self, message: dict) -> dict:
+        if "prevLogIdx" not in message or "transmission" in message or "serialized" in message:
+            return message
+        log = self._syncObj._SyncObj__raftLog
+        if len(log) == 0:
+            return message
+        first, (_, last_idx, last_term) = log[0][1], log[len(log) - 1]
+        prev, term, entries = message["prevLogIdx"], message["term"], message.get("entries") or []
+        if not (isinstance(prev, int) and first <= prev < last_idx and last_term == term):
+            return message
+        if log[prev - first][2] != message["prevLogTerm"]:
+            return message  # SyncObj answers with a reset
+        for entry in entries:
+            idx = entry[1]
+            if idx > last_idx:
+                break
+            if log[idx - first][2] != entry[2]:
+                return message  # a real conflict: SyncObj truncates, as Raft does
+        self._settings.stats.appends_rebased += 1
+        return {**message, "prevLogIdx": last_idx, "prevLogTerm": last_term,
+                "entries": [e for e in entries if e[1] > last_idx]}
+
     def _onMessageReceived(self, node: Any, message: Any) -> None:
+        if type(message) is dict and message.get("type") == "append_entries" and not self._syncObj._isLeader():
+            message = self._rebase_append(message)
         super()._onMessageReceived(node, message)
         if type(message) is not dict or message.get("type") != "next_node_idx":
             return
