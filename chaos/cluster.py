@@ -33,6 +33,7 @@ class ChaosCluster(LocalCluster):
         self.topology = topology
         self.seed = seed
         self.proxies: dict[int, subprocess.Popen] = {}
+        self.joined: list[subprocess.Popen] = []  # nodes added by the membership fault
         super().__init__(data_dir, nodes=nodes, shards=shards, replicas=3,
                          port=NETNS_PORT if topology else None, raft=raft, server=server,
                          env={"KVPS_LOG_LEVEL": "info"})
@@ -83,6 +84,8 @@ class ChaosCluster(LocalCluster):
 
     def stop(self) -> None:
         try:
+            for proc in self.joined:
+                stop_process(proc, timeout=10.0, group=True)
             super().stop()
         finally:
             for proc in self.proxies.values():
@@ -92,6 +95,26 @@ class ChaosCluster(LocalCluster):
     def node_pid(self, node_id: int) -> int | None:
         proc = self.procs.get(node_id)
         return proc.pid if proc is not None and proc.poll() is None else None
+
+    def join_node(self) -> subprocess.Popen:
+        """Start ``kvps node join`` for one more node on free loopback ports (membership fault);
+        the caller drains it, after which it exits by itself."""
+        from kvps.local import free_port_base
+        from kvps.process import python_module_args
+        port = free_port_base(2 * self.cfg.shards + 2)
+        args = python_module_args("kvps.cli", "node", "join", "--seed", self.endpoints[0],
+                                  "--port", str(port), "--data-dir", str(self.data_dir / f"joined-{port}"))
+        proc = spawn(args, self.data_dir / f"joined-{port}" / "node.log", new_session=True,
+                     env={**self.env, "KVPS_TOKEN": self.token})
+        self.joined.append(proc)
+        return proc
+
+    def admin_post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        import json
+        req = urllib.request.Request(self.endpoints[0] + path, data=json.dumps(body).encode(),
+                                     method="POST", headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
 
     def replica_dir(self, node_id: int, shard: int) -> Path:
         return self.data_dir / self.cfg.node(node_id).data_dir / f"shard-{shard}"
