@@ -159,6 +159,7 @@ class Mover:
 
     async def move(self, shard: int, source: int, target: int) -> MoveReport:
         report = MoveReport(shard, source, target)
+        _last_said.clear()  # "still waiting" counts from this move's own waits
         started = time.monotonic()
         deadline = started + self.timeout
         mark = started
