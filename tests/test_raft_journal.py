@@ -1,6 +1,8 @@
-"""kvps.raft.journal: the record format, torn tails and corruption, crash-safe compaction rewrites,
-the meta file, the fsync policies (fsync calls counted), the list model (hypothesis), the
-injection into pysyncobj, and a 3-replica group restarted entirely from its journals."""
+"""kvps.raft.journal: the record format, torn tails and corruption, crash-safe compaction rewrites
+(done off the tick thread, with appends, truncations and clears meanwhile), records a snapshot
+covers dropped at open, the meta file, the fsync policies (fsync calls counted), the list model
+(hypothesis, with pending rewrites and crashes), the injection into pysyncobj, and groups
+restarted from their journals (also from one a crash left in the middle of a rewrite)."""
 from __future__ import annotations
 
 import logging
@@ -43,7 +45,8 @@ def raise_instead_of_exit(exc: OSError, what: str) -> None:
 
 
 def open_journal(path: Path, fsync: str = "never", **kwargs) -> RaftJournal:
-    return RaftJournal(path, fsync=fsync, on_io_error=raise_instead_of_exit, **kwargs)
+    kwargs.setdefault("on_io_error", raise_instead_of_exit)
+    return RaftJournal(path, fsync=fsync, **kwargs)
 
 
 def entries(j: RaftJournal) -> list[tuple[bytes, int, int]]:
@@ -173,7 +176,8 @@ def test_delete_entries_to_rewrites_by_rename(tmp_path):
     added = fill(j, 6, first=3)
     inode = os.stat(path).st_ino
     j.deleteEntriesTo(4)
-    assert entries(j) == added[4:]
+    assert entries(j) == added[4:]  # in memory at once; the file is rewritten in the background
+    j._wait_rewritten()
     assert os.stat(path).st_ino != inode  # a new file, renamed over the old one
     assert sorted(p.name for p in tmp_path.iterdir()) == ["raft.journal"]  # no tmp left behind
     j.add(b"more", 9, 1)
@@ -184,20 +188,25 @@ def test_delete_entries_to_rewrites_by_rename(tmp_path):
 
 def test_delete_entries_to_cut_short_leaves_the_old_journal(tmp_path, monkeypatch):
     path = tmp_path / "raft.journal"
-    j = open_journal(path)
+    errors: list[str] = []
+    j = open_journal(path, "always", on_io_error=lambda exc, what: errors.append(what))
     added = fill(j, 6)
 
     def crash(src, dst):
         raise OSError(5, "simulated crash before the rename")
 
     monkeypatch.setattr(journal_module.os, "rename", crash)
-    with pytest.raises(IOErrorSeen):
-        j.deleteEntriesTo(3)
+    j.deleteEntriesTo(3)  # the tick thread is not the one that meets the error
+    j._wait_rewritten()
     monkeypatch.undo()
+    assert errors == [f"rewriting the journal into {path}.tmp"]
     assert (tmp_path / "raft.journal.tmp").exists()  # what a crash here leaves behind
     reopened = open_journal(path)  # as after a restart: the old journal, whole
     assert entries(reopened) == added
     assert not (tmp_path / "raft.journal.tmp").exists()
+    reopened._destroy()
+    # and where the snapshot is known, from its previous entry on (ShardGroup passes it)
+    assert entries(open_journal(path, first_index=added[3][1])) == added[3:]
 
 
 def test_a_stale_tmp_file_is_removed_at_open(tmp_path):
@@ -324,7 +333,8 @@ def test_always_syncs_each_change_before_returning(tmp_path, monkeypatch):
     j.deleteEntriesFrom(2)
     assert counter.take() == (1, 0)
     j.deleteEntriesTo(1)
-    assert counter.take() == (0, 2)  # the rewritten file, then the directory after the rename
+    j._wait_rewritten()  # on the rewriter thread: the directory (the snapshot's rename first),
+    assert counter.take() == (2, 2)  # the copy, the file before and the directory after the rename
     j.setCurrentTerm(1, "a:1")
     assert counter.take() == (0, 2)  # meta file + directory, before pysyncobj sends anything
     j.setRaftCommitIndex(2)
@@ -354,13 +364,19 @@ def test_interval_syncs_in_the_background(tmp_path, monkeypatch):
     assert j._synced == j._changes
 
 
-def test_compaction_leaves_the_replaced_file_to_the_background_thread(tmp_path):
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_the_rewriter_closes_the_replaced_file(tmp_path):
     """Closing the replaced journal frees its blocks and waits for write-back in flight: the
-    tick thread (which calls deleteEntriesTo) hands that to the background thread."""
-    j = open_journal(tmp_path / "raft.journal", "interval", fsync_interval=0.01)
+    rewriter thread does it, not the tick thread."""
+    j = open_journal(tmp_path / "raft.journal", "interval", fsync_interval=3600)
     added = fill(j, 4)
+    before = open_fds()
     j.deleteEntriesTo(2)
-    wait_for(lambda: not j._to_close, 10, "the replaced file to be closed")
+    j._wait_rewritten()
+    assert open_fds() == before  # the new file's descriptor replaced the old one's
     assert entries(j) == added[2:]
     j._destroy()
     assert entries(open_journal(tmp_path / "raft.journal")) == added[2:]
@@ -374,23 +390,226 @@ def test_flush_syncs_under_every_policy(tmp_path, monkeypatch):
     assert counter.take() == (1, 0)
 
 
+# ---- compaction rewrites off the tick thread ------------------------------------------------------
+
+def is_rewriter() -> bool:
+    return threading.current_thread().name.startswith("kvps-journal-rewrite")
+
+
+class RewriteGate:
+    """Stands in for the journal's fdatasync: holds the rewriter thread in its first one, after it
+    copied the kept records into the new file and before it switches files, until ``release``.
+    Other threads' fdatasyncs, and the rewriter's once released, pass straight through."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
+        self.opened = threading.Event()
+        self.stuck = False
+
+    def __call__(self, fd: int) -> None:
+        if is_rewriter() and not self.opened.is_set():
+            self.reached.set()
+            if not self.opened.wait(30):
+                self.stuck = True  # the test forgot to release: it fails on this flag
+
+    def hold(self, j: RaftJournal, cut: int) -> None:
+        """``j.deleteEntriesTo(cut)``, then wait for the rewriter to stop at the gate."""
+        self.opened.clear()
+        self.reached.clear()
+        j.deleteEntriesTo(cut)
+        wait_for(lambda: self.reached.is_set() or j._rewriter is None, 10, "the rewriter's copy")
+        assert self.reached.is_set(), "the rewriter finished without syncing the new file"
+
+    def release(self, j: RaftJournal) -> None:
+        self.opened.set()
+        j._wait_rewritten()
+        assert not self.stuck
+
+
+def after_a_crash(path: Path, first_index: int) -> list[tuple[bytes, int, int]]:
+    """The entries a restart would see if the process died now: the files copied as they are
+    (a stale .tmp included), opened with the snapshot's previous index, as ShardGroup does."""
+    crashed = path.parent / "crashed"
+    shutil.rmtree(crashed, ignore_errors=True)
+    crashed.mkdir()
+    for name in ("raft.journal", "raft.journal.tmp", "raft.journal.meta"):
+        if (path.parent / name).exists():
+            shutil.copy(path.parent / name, crashed / name)
+    j = open_journal(crashed / "raft.journal", first_index=first_index)
+    try:
+        return entries(j)
+    finally:
+        j._destroy()
+
+
+@pytest.fixture()
+def gate(monkeypatch) -> RewriteGate:
+    gate = RewriteGate()
+    monkeypatch.setattr(journal_module, "_fdatasync", gate)
+    yield gate
+    gate.opened.set()
+
+
+@pytest.mark.parametrize("catch_up_bytes", [0, 1 << 20], ids=["rounds", "one-round"])
+def test_appends_during_a_pending_rewrite_land_in_the_new_file(tmp_path, gate, monkeypatch,
+                                                                catch_up_bytes):
+    monkeypatch.setattr(journal_module, "_CATCH_UP_BYTES", catch_up_bytes)
+    path = tmp_path / "raft.journal"
+    j = open_journal(path, "interval", fsync_interval=3600)
+    model = fill(j, 8)
+    inode = os.stat(path).st_ino
+    gate.hold(j, 5)
+    model = model[5:]
+    assert entries(j) == model and j._rewriter is not None
+    model += fill(j, 4, first=9, term=2)  # into the old file, while the new one is being synced
+    assert entries(j) == model
+    assert after_a_crash(path, first_index=6) == model
+    gate.release(j)
+    assert os.stat(path).st_ino != inode
+    model += fill(j, 2, first=13, term=2)  # into the new file
+    assert after_a_crash(path, first_index=6) == model
+    assert entries(open_journal(path)) == model  # the new file alone, without first_index
+    j._destroy()
+    assert entries(open_journal(path)) == model
+
+
+def test_delete_entries_from_during_a_pending_rewrite(tmp_path, gate):
+    path = tmp_path / "raft.journal"
+    j = open_journal(path, "interval", fsync_interval=3600)
+    model = fill(j, 8)
+    gate.hold(j, 3)  # the new file holds entries 4..8 now
+    model = model[3:]
+    j.deleteEntriesFrom(2)  # a new leader replaces 6..8, which the rewriter already copied
+    model = model[:2]
+    model += fill(j, 2, first=6, term=3, size=7)  # shorter records: the old bytes would show
+    assert after_a_crash(path, first_index=4) == model
+    gate.release(j)
+    assert entries(j) == model
+    j._destroy()
+    assert entries(open_journal(path)) == model
+
+
+def test_delete_entries_to_during_a_pending_rewrite(tmp_path, gate):
+    path = tmp_path / "raft.journal"
+    j = open_journal(path, "interval", fsync_interval=3600)
+    model = fill(j, 10)
+    gate.hold(j, 2)
+    model = model[2:]
+    model += fill(j, 1, first=11)
+    j.deleteEntriesTo(4)  # a second compaction finished before the first rewrite did
+    model = model[4:]
+    assert entries(j) == model
+    assert after_a_crash(path, first_index=7) == model
+    gate.release(j)  # the rewriter went round again, from the new cut
+    assert entries(open_journal(path)) == model  # without first_index: nothing older is left
+    j._destroy()
+    assert entries(open_journal(path)) == model
+
+
+def test_clear_during_a_pending_rewrite(tmp_path, gate):
+    path = tmp_path / "raft.journal"
+    j = open_journal(path, "interval", fsync_interval=3600)
+    fill(j, 6)
+    gate.hold(j, 3)
+    j.clear()  # a snapshot installed from the leader
+    model = fill(j, 2, first=40, term=5)
+    assert after_a_crash(path, first_index=40) == model
+    gate.release(j)  # the rewrite gave up: it copied records that are gone
+    assert not (tmp_path / "raft.journal.tmp").exists()
+    assert entries(open_journal(path)) == model
+    gate.hold(j, 1)  # and a later compaction still rewrites
+    gate.release(j)
+    j._destroy()
+    assert entries(open_journal(path)) == model[1:]
+
+
+@pytest.mark.parametrize("policy", ["interval", "always"])
+def test_delete_entries_to_does_not_wait_for_the_disk(tmp_path, monkeypatch, policy):
+    """Every fsync sleeps (5 s, unless released): deleteEntriesTo returns while the rewriter is
+    still asleep in one, and (``interval``) appends and truncations go on meanwhile."""
+    path = tmp_path / "raft.journal"
+    j = open_journal(path, policy, fsync_interval=3600)
+    model = fill(j, 6)
+    sleeping, woken, release = threading.Event(), threading.Event(), threading.Event()
+    waiters: list[str] = []
+
+    def slow_fsync(fd: int) -> None:
+        waiters.append(threading.current_thread().name)
+        sleeping.set()
+        release.wait(5)
+        woken.set()
+
+    monkeypatch.setattr(journal_module, "_fsync", slow_fsync)
+    monkeypatch.setattr(journal_module, "_fdatasync", slow_fsync)
+    j.deleteEntriesTo(4)
+    assert not woken.is_set(), "deleteEntriesTo waited for an fsync"
+    model = model[4:]
+    assert entries(j) == model
+    wait_for(sleeping.is_set, 10, "the rewriter to sleep in an fsync")
+    if policy == "interval":
+        model += fill(j, 3, first=7)
+        j.deleteEntriesFrom(4)
+        model = model[:4]
+    assert not woken.is_set()
+    assert all(name.startswith("kvps-journal-rewrite") for name in waiters), waiters
+    release.set()
+    j._wait_rewritten()
+    monkeypatch.undo()
+    j._destroy()
+    assert entries(open_journal(path)) == model
+
+
+def test_open_drops_the_records_the_snapshot_covers(tmp_path, caplog):
+    path = tmp_path / "raft.journal"
+    j = open_journal(path)
+    added = fill(j, 10)
+    j._destroy()
+    with caplog.at_level(logging.WARNING, logger="kvps.raft"):
+        j = open_journal(path, first_index=7)
+    assert "dropping entries 1..6, older than the snapshot's previous entry 7" in caplog.text
+    assert entries(j) == added[6:]
+    j._wait_rewritten()  # the file is rewritten without them, like after deleteEntriesTo
+    assert entries(open_journal(path)) == added[6:]
+    j.add(b"next", 11, 1)
+    j._destroy()
+    assert entries(open_journal(path, first_index=7)) == added[6:] + [(b"next", 11, 1)]
+    j = open_journal(path, first_index=50)  # all of it older than the snapshot
+    assert len(j) == 0
+    j.add(b"dump prev", 50, 2)
+    j._destroy()
+    assert entries(open_journal(path, first_index=50)) == [(b"dump prev", 50, 2)]
+    assert entries(open_journal(path, first_index=3)) == [(b"dump prev", 50, 2)]
+
+
 # ---- the list model -------------------------------------------------------------------------------
 
 class JournalModel(RuleBasedStateMachine):
-    """The journal behaves like the list pysyncobj keeps, across reopens."""
+    """The journal behaves like the list pysyncobj keeps, across reopens and crashes, also while a
+    compaction's rewrite is pending: every ``delete_to`` leaves the rewriter held at the gate
+    (kept records copied, new file not yet switched to) until ``finish_rewrite``, so the other
+    rules run against a pending rewrite."""
 
     def __init__(self) -> None:
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="kvps-journal-"))
         self.path = self.dir / "raft.journal"
-        self.journal = open_journal(self.path)
+        self.gate = RewriteGate()
+        self.real_fdatasync = journal_module._fdatasync
+        journal_module._fdatasync = self.gate  # restored in teardown
+        self.journal = open_journal(self.path, "interval", fsync_interval=3600)
         self.model: list[tuple[bytes, int, int]] = []
-        self.next_index = 1
+        self.next_index = 1  # of the next entry while the model is empty
         self.term = 1
 
     def teardown(self) -> None:
+        self.gate.release(self.journal)
         self.journal._destroy()
+        journal_module._fdatasync = self.real_fdatasync
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def first_index(self) -> int:
+        """The snapshot's previous entry as pysyncobj would have it: the first one kept."""
+        return self.model[0][1] if self.model else self.next_index
 
     @rule(command=st.binary(max_size=300), term_step=st.integers(0, 1))
     def add(self, command, term_step):
@@ -403,17 +622,26 @@ class JournalModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def delete_from(self, data):
         cut = data.draw(st.integers(0, len(self.model)))
+        if cut == 0:  # the next entry takes the first one's index
+            self.next_index = self.model[0][1]
         self.journal.deleteEntriesFrom(cut)
         del self.model[cut:]
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def delete_to(self, data):
-        cut = data.draw(st.integers(0, len(self.model)))
+        cut = data.draw(st.integers(1, len(self.model)))
         if cut == len(self.model):
             self.next_index = self.model[-1][1] + 1
-        self.journal.deleteEntriesTo(cut)
+        if self.journal._rewriter is None:
+            self.gate.hold(self.journal, cut)
+        else:  # a rewrite is pending already: it will go round again
+            self.journal.deleteEntriesTo(cut)
         self.model = self.model[cut:]
+
+    @rule()
+    def finish_rewrite(self):
+        self.gate.release(self.journal)
 
     @rule()
     def clear(self):
@@ -424,8 +652,14 @@ class JournalModel(RuleBasedStateMachine):
 
     @rule()
     def reopen(self):
+        self.gate.release(self.journal)
         self.journal._destroy()
-        self.journal = open_journal(self.path)
+        self.journal = open_journal(self.path, "interval", fsync_interval=3600)
+        assert entries(self.journal) == self.model  # a clean close left nothing to drop
+
+    @rule()
+    def crash(self):
+        assert after_a_crash(self.path, self.first_index()) == self.model
 
     @invariant()
     def same_as_the_model(self):
@@ -514,6 +748,54 @@ def test_group_journals_survive_a_full_restart(tmp_path):
         assert all(c.groups[a].term() >= terms[a] for a in c.addresses)
         c.propose(b"after")
         assert c.wait_converged() == reference + [b"after"]
+    finally:
+        c.stop_all()
+
+
+def test_a_group_restarted_in_a_compaction_crash_window_keeps_its_entries(tmp_path):
+    """The crash window of a compaction: the snapshot is in place, the journal's rewrite is not,
+    so the journal on disk starts long before the snapshot's entries. pysyncobj clears such a
+    journal at start, keeping only the snapshot's two entries: every entry after the snapshot
+    would be gone from this replica. ShardGroup passes the snapshot's previous index to the
+    journal, which drops the older records at open instead."""
+    from test_raft_group import FAST, Cluster
+
+    from kvps.raft import snapshot_file
+
+    raft = RaftConfig(**{**FAST.__dict__, "compact_bytes": 48 * 1024})
+    c = Cluster(tmp_path, n=1, raft=raft)
+    try:
+        c.start_all()
+        (address,) = c.addresses
+        group = c.groups[address]
+        for i in range(16):
+            c.propose(f"{i}-".encode() + b"z" * 4000)
+        wait_for(lambda: group.status()["compactions"]["succeeded"] >= 1 and
+                 group._compaction is None, 20, "a compaction")
+        for i in range(3):  # entries after the snapshot: only the journal holds them
+            c.propose(f"after-{i}".encode())
+        reference = c.wait_converged()
+        c.stop_all()
+
+        d = tmp_path / address.replace(":", "_")
+        snap = snapshot_file.read(d / "raft.snapshot")
+        journal = open_journal(d / "raft.journal")
+        kept = entries(journal)
+        journal._destroy()
+        assert kept[0][1] == snap.prev_entry[1] and kept[-1][1] > snap.last_entry[1] + 2
+        old = open_journal(tmp_path / "old.journal")  # as before the rewrite: from entry 1 on
+        for index in range(1, kept[0][1]):
+            old.add(b"covered by the snapshot", index, 1)
+        for entry in kept:
+            old.add(*entry)
+        old._destroy()
+        os.replace(tmp_path / "old.journal", d / "raft.journal")
+
+        c.start(address)
+        machine = c.machines[address]
+        wait_for(lambda: machine.sequence() == reference, 20, "the entries after the snapshot")
+        c.propose(b"last")
+        wait_for(lambda: machine.sequence() == reference + [b"last"], 20, "a new entry")
     finally:
         c.stop_all()
 

@@ -127,8 +127,9 @@ class ShardGroup(SyncObj):
         journal_dir = Path(journal_dir)
         journal_dir.mkdir(parents=True, exist_ok=True)
         dump_path = journal_dir / "raft.snapshot"
-        if dump_path.exists():
-            snapshot_file.read(dump_path)  # refuse to start on a corrupt snapshot (CodecError)
+        first_index = 0  # the journal's records below this index are covered by the snapshot
+        if dump_path.exists():  # refuse to start on a corrupt snapshot (CodecError)
+            first_index = snapshot_file.read(dump_path).prev_entry[1]
         for leftover in (".partial", ".tmp", ".1.tmp"):  # a compaction or install cut short
             _unlink(str(dump_path) + leftover)
 
@@ -165,8 +166,8 @@ class ShardGroup(SyncObj):
             socket_buffer_bytes=raft.socket_buffer_bytes,
             on_peer_gone=self._failover.on_peer_gone if raft.fast_failover else None)
         self._transport_stats = transport.stats
-        with using_journal(journal_dir / "raft.journal", fsync=raft.fsync,
-                           fsync_interval=raft.fsync_interval):  # our journal, not FileJournal
+        with using_journal(journal_dir / "raft.journal", fsync=raft.fsync,  # ours, not FileJournal
+                           fsync_interval=raft.fsync_interval, first_index=first_index):
             super().__init__(self_address, [p for p in peers if p != self_address], conf,
                              transportClass=transport)
         self.addOnTickCallback(self._note_tick_thread)

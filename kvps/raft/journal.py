@@ -29,6 +29,13 @@ is truncated there with a warning naming how many bytes were dropped. A torn tai
 is expected: only the last append can be incomplete. A wrong magic or version, or a meta file
 that fails its checks, is a ``CodecError``: the vote and term cannot be guessed safely.
 
+Then records with an index below ``first_index`` (the snapshot's previous entry, which the caller
+read from the dump file) are dropped: they are what a compaction's rewrite had not yet removed
+from the file when the process died. Keeping them would make pysyncobj's ``__loadDumpFile`` see a
+journal that does not start at the snapshot's (previous, last) entries, and it then clears the
+journal, losing every entry after the snapshot on this replica. The file is rewritten without
+them in the background, like after ``deleteEntriesTo``.
+
 The fsync policy (``RaftConfig.fsync``, README "Durability") says when appends reach stable
 storage. Every policy survives ``kill -9`` of any process, because the page cache holds what was
 written; they differ on power loss or a kernel crash:
@@ -39,9 +46,9 @@ written; they differ on power loss or a kernel crash:
 * ``always``   fdatasync after every change, before pysyncobj continues: a follower answers
   append_entries, and the leader counts itself towards a majority, only with the entry on disk.
 
-Under ``interval`` and ``always`` term/vote changes and compaction rewrites are fsynced
-synchronously (pysyncobj calls ``setCurrentTerm`` before it sends the vote request or grant that
-reflects it). The commit index is written at most once a second, by a background thread under
+Under ``interval`` and ``always`` term/vote changes are fsynced synchronously (pysyncobj calls
+``setCurrentTerm`` before it sends the vote request or grant that reflects it); compaction
+rewrites are fsynced by the thread that does them (``RaftJournal.deleteEntriesTo``). The commit index is written at most once a second, by a background thread under
 those two policies (an fsynced meta write took up to 70 ms here: not on the tick thread, which
 also sends the heartbeats), by pysyncobj's ``onOneSecondTimer`` under ``never``. Since it may be
 ahead of what survived in the journal, it is clamped to the journal's last index when read back
@@ -96,6 +103,9 @@ _META_HEADER = struct.Struct("<8sHHII")
 _META_BODY = struct.Struct("<QQi")
 _EX_IOERR = 74  # sysexits.h: an input/output error
 _META_PERIOD = 1.0  # seconds between commit index writes (pysyncobj's own cadence)
+_CATCH_UP_BYTES = 1 << 20  # a rewrite switches files (under the lock) once this little is left
+_CATCH_UP_ROUNDS = 8  # ... or after this many rounds (appends outpacing the copies)
+_NOT_TRUNCATED = 1 << 63  # RaftJournal._truncated when nothing was truncated
 
 # Looked up at call time, so tests can count calls by replacing them.
 _fdatasync = os.fdatasync
@@ -115,12 +125,23 @@ def _exit_on_io_error(exc: OSError, what: str) -> None:
 class RaftJournal(Journal):
     """pysyncobj's ``Journal`` interface over our own file format (see the module docstring).
 
-    pysyncobj calls every method on its tick thread. Under ``interval`` and ``always`` one
-    background thread fdatasyncs the journal (``interval`` only, through a duplicate of the
-    descriptor taken under ``_lock``), writes the commit index (``_meta_lock``) and closes the
-    files compaction replaced."""
+    pysyncobj calls every method on its tick thread, and none of them waits for the disk except
+    as the policy says (term and vote under ``interval`` and ``always``; under ``always`` every
+    change, and a rewrite's last fsyncs, made under ``_lock``). Other threads: under
+    ``interval`` and ``always`` one background thread fdatasyncs the journal (``interval`` only,
+    through a duplicate of the descriptor taken under ``_lock``) and writes the commit index
+    (``_meta_lock``); under every policy a rewriter thread, while one is needed, rewrites the file
+    after ``deleteEntriesTo`` (see there).
+
+    Positions: ``_offsets``, ``_end`` and ``_cut`` are byte positions in the log as if no record
+    had ever been removed from the front of the file; the journal file (``_fd``) holds positions
+    ``[_shift + header size, _end)`` at file offsets ``[header size, _end - _shift)``. Dropping
+    the front of the file changes ``_shift``, not every offset. ``_lock`` guards ``_fd``,
+    ``_shift``, ``_end`` and the rewrite's state (``_cut``, ``_epoch``, ``_truncated``,
+    ``_rewriter``); every write to the file happens under it."""
 
     def __init__(self, path: str | Path, *, fsync: str = "interval", fsync_interval: float = 0.05,
+                 first_index: int = 0,
                  on_io_error: Callable[[OSError, str], None] = _exit_on_io_error) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {FSYNC_POLICIES}, not {fsync!r}")
@@ -129,10 +150,14 @@ class RaftJournal(Journal):
         self._policy = fsync
         self._on_io_error = on_io_error
         self._entries: list[Entry] = []  # pysyncobj indexes and slices this through __getitem__
-        self._offsets: list[int] = []  # file offset of each entry's record
-        self._end = _HEADER.size  # file offset after the last record
+        self._offsets: list[int] = []  # position of each entry's record
+        self._end = _HEADER.size  # position after the last record
+        self._shift = 0  # position - _shift = offset in the journal file
+        self._cut = _HEADER.size  # position the file should start at (its first record still kept)
+        self._epoch = 0  # bumped by clear(): a rewrite copying the records it removed is void
+        self._truncated = _NOT_TRUNCATED  # lowest position truncated to since the rewriter's copy
+        self._rewriter: threading.Thread | None = None  # running while _cut is ahead of the file
         self._lock = threading.Lock()
-        self._to_close: list[int] = []  # replaced journal descriptors the background thread closes
         self._changes = 0  # journal changes made ...
         self._synced = 0  # ... and how many of them an fdatasync has covered
         self._fd = -1
@@ -143,86 +168,109 @@ class RaftJournal(Journal):
         self._term, self._voted_for, self._commit_index = self._read_meta()
         self._meta_dirty = False
         self._meta_lock = threading.Lock()
-        self._fd = self._open_journal()
+        self._fd = self._open_journal(first_index)
         self._stop = threading.Event()
         if fsync != "never":
             period = fsync_interval if fsync == "interval" else _META_PERIOD
             threading.Thread(target=_background, args=(weakref.ref(self), self._stop, period),
                              name=f"kvps-journal-sync {self._path.parent.name}", daemon=True).start()
+        if self._cut != _HEADER.size:  # records the snapshot covers were dropped at open
+            with self._lock:
+                rewriter = self._start_rewriter()
+            rewriter.start()
 
     # -- the log --------------------------------------------------------------------------------
 
     def add(self, command: Any, idx: int, term: int) -> None:
         checked = _CHECKED.pack(len(command), idx, term)
         crc = zlib.crc32(command, zlib.crc32(checked))
-        size = _RECORD.size + len(command)
-        self._write([_CRC.pack(crc) + checked, command], self._end, "append")
-        self._entries.append((command, idx, term))
-        self._offsets.append(self._end)
-        self._end += size
+        with self._lock:
+            self._write([_CRC.pack(crc) + checked, command], self._end - self._shift, "append")
+            self._entries.append((command, idx, term))
+            self._offsets.append(self._end)
+            self._end += _RECORD.size + len(command)
+            self._changes += 1
         self._changed()
 
     def clear(self) -> None:
-        self._truncate(_HEADER.size)
-        self._entries = []
-        self._offsets = []
+        """Drop every entry (pysyncobj: a snapshot installed from the leader replaces the log)."""
+        with self._lock:
+            self._truncate(_HEADER.size)
+            self._shift = self._end - _HEADER.size
+            self._cut = self._end
+            self._epoch += 1  # a rewrite in flight copies records that are gone: it gives up
+            self._entries = []
+            self._offsets = []
+            self._changes += 1
         self._changed()
 
     def deleteEntriesFrom(self, entryFrom: int) -> None:
         """Drop entries ``[entryFrom:]`` (a follower's conflicting suffix): truncate the file."""
         if entryFrom >= len(self._entries):
             return
-        self._truncate(self._offsets[entryFrom])
-        del self._entries[entryFrom:]
-        del self._offsets[entryFrom:]
+        with self._lock:
+            at = self._offsets[entryFrom]
+            self._truncate(at - self._shift)
+            self._end = at
+            self._truncated = min(self._truncated, at)  # the rewriter copies from here again
+            del self._entries[entryFrom:]
+            del self._offsets[entryFrom:]
+            self._changes += 1
         self._changed()
 
     def deleteEntriesTo(self, entryTo: int) -> None:
-        """Drop entries ``[:entryTo]`` (after log compaction): the kept entries go to a new file,
-        which replaces the journal by rename only once it is complete (and fsynced, unless the
-        policy is ``never``). A crash at any point leaves either the old or the new journal.
+        """Drop entries ``[:entryTo]`` (after log compaction). On the tick thread this only trims
+        the entries in memory (pysyncobj indexes them at once) and moves ``_cut``; the rewriter
+        thread then copies the kept records into ``raft.journal.tmp`` and renames it over the
+        journal. Copying hundreds of MB and fsyncing them took seconds on a disk busy with other
+        replicas' snapshots, and a tick thread waiting for that sends no heartbeats: followers
+        started elections after every compaction.
 
-        Records do not depend on their position, so the kept ones are copied as one byte range
-        inside the kernel (``copy_file_range``), not re-encoded: pysyncobj calls this on its tick
-        thread, and with compaction off that thread the kept tail can be large."""
+        The rewrite (``_rewrite``): fsync the directory (so the snapshot renamed into place just
+        before is durable before this journal's rename can be), copy positions ``[_cut, _end)``
+        into the new file as one byte range in the kernel (``copy_file_range``; records do not
+        depend on their offset), fdatasync it (unless ``never``), and again for what was appended
+        meanwhile, until that is under ``_CATCH_UP_BYTES`` (or ``_CATCH_UP_ROUNDS`` rounds). Then,
+        under ``_lock``: copy the rest, (``always``: fdatasync), rename, (``always``: fsync the
+        directory), and switch ``_fd``/``_shift`` to the new file. Under ``interval`` the new file
+        and directory are fsynced right after, outside the lock. The old descriptor is closed on
+        the rewriter thread (the last close frees its blocks, waiting for write-back in flight).
+
+        What the tick thread may do meanwhile, and why the result is still the kept entries:
+
+        * ``add``: appends to the current (old) file under ``_lock``. The rewriter copies up to
+          ``_end`` in every round and the rest under the lock as it switches, so the entry is in
+          the new file too; after the switch appends go to the new file.
+        * ``deleteEntriesFrom``: truncates the current file and lowers ``_truncated``. What the
+          rewriter copied past that position may be stale (overwritten by later appends, or read
+          while the file was cut): before its next round and before switching it truncates the
+          new file there and copies from there again. It cannot cut below ``_cut``: the first
+          kept entry is the snapshot's previous entry, which is committed.
+        * ``deleteEntriesTo`` again: trims memory and moves ``_cut`` further. The running rewrite
+          completes with the start it took (its file begins with records no longer in memory:
+          harmless, ``_offsets`` are positions), then the rewriter starts over from the new cut.
+        * ``clear``: truncates the current file to its header and bumps ``_epoch``. A rewrite that
+          has not switched yet gives up at its next look under the lock and deletes its file; one
+          that has switched had its new file truncated by this ``clear``.
+        * ``_destroy`` and ``flush`` wait for the rewriter (shutdown and tests only).
+
+        A crash before the rename leaves the old journal, which has every record (and a stale
+        ``.tmp``, removed at open); its leading records that the snapshot covers are dropped at
+        open (``first_index``). After the rename the new file is the journal. Under ``always``
+        nothing acknowledged depends on what is not yet durable: the new file is fdatasynced
+        before the rename and the directory after it, before appends go to the new file. Under
+        ``interval`` the entries appended after the last round's fdatasync began may be lost on a
+        power loss until the fsyncs after the switch: the same exposure as the periodic
+        fdatasync. Under ``never`` nothing is fsynced, as everywhere."""
         if entryTo <= 0:
             return
-        entryTo = min(entryTo, len(self._entries))
-        kept = self._entries[entryTo:]
-        start = self._offsets[entryTo] if kept else self._end
-        tmp = Path(f"{self._path}.tmp")
-        durable = self._policy != "never"
-        try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        except OSError as exc:
-            self._on_io_error(exc, f"creating {tmp}")
-            raise
-        try:
-            _pwrite_all(fd, [_HEADER.pack(MAGIC, VERSION, 0, 0)], 0)
-            shift = start - _HEADER.size
-            _copy_range(self._fd, fd, start, self._end - start, _HEADER.size)
-            offsets, end = [o - shift for o in self._offsets[entryTo:]], self._end - shift
-            if durable:
-                _fsync(fd)
-            os.rename(tmp, self._path)
-            if durable:
-                _fsync_dir(self._path.parent)
-        except OSError as exc:
-            os.close(fd)
-            self._on_io_error(exc, f"rewriting the journal into {tmp}")
-            raise
         with self._lock:
-            old, self._fd = self._fd, fd
-            self._changes += 1
-            if durable:
-                self._synced = self._changes
-            if self._policy == "never":
-                os.close(old)
-            else:  # the last close of the replaced file frees its blocks, waiting for any
-                self._to_close.append(old)  # write-back in flight: not on the tick thread
-        self._entries = kept
-        self._offsets = offsets
-        self._end = end
+            del self._entries[:entryTo]
+            del self._offsets[:entryTo]
+            self._cut = self._offsets[0] if self._offsets else self._end
+            rewriter = self._start_rewriter() if self._rewriter is None else None
+        if rewriter is not None:
+            rewriter.start()
 
     def __getitem__(self, item: int | slice) -> Any:
         return self._entries[item]
@@ -267,14 +315,18 @@ class RaftJournal(Journal):
     # -- lifecycle ------------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Everything written so far to stable storage now, whatever the policy."""
+        """Everything written so far to stable storage now, whatever the policy (waits for a
+        pending compaction rewrite: not for the tick thread)."""
+        self._wait_rewritten()
         self._sync()
         if self._meta_dirty:
             self._write_meta()
 
     def _destroy(self) -> None:
-        """pysyncobj's close: stop the syncing thread, sync (unless ``never``), close."""
+        """pysyncobj's close: finish a pending rewrite (a clean stop leaves a clean journal), stop
+        the syncing thread, sync (unless ``never``), close."""
         self._stop.set()
+        self._wait_rewritten()
         if self._fd < 0:
             return
         if self._policy != "never":
@@ -282,37 +334,27 @@ class RaftJournal(Journal):
         if self._meta_dirty:
             self._write_meta()
         with self._lock:
-            fds, self._to_close = [self._fd, *self._to_close], []
-            self._fd = -1
-        for fd in fds:
-            os.close(fd)
+            fd, self._fd = self._fd, -1
+        os.close(fd)
 
     def __del__(self) -> None:  # a group dropped without stop(): no descriptor leak
-        stop = getattr(self, "_stop", None)
+        stop = getattr(self, "_stop", None)  # (a running rewriter holds a reference: not then)
         if stop is not None:
             stop.set()
-        for fd in [getattr(self, "_fd", -1), *getattr(self, "_to_close", ())]:
-            if fd >= 0:
-                os.close(fd)
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
         self._fd = -1
-        self._to_close = []
 
     # -- internals ------------------------------------------------------------------------------
 
     def _changed(self) -> None:
-        self._changes += 1
+        """After a change (counted in ``_changes`` under the lock): ``always`` syncs it now."""
         if self._policy == "always":
             self._sync()
 
-    def _close_replaced(self) -> None:
-        with self._lock:
-            fds, self._to_close = self._to_close, []
-        for fd in fds:
-            os.close(fd)
-
     def _sync(self) -> None:
         """fdatasync the journal if anything changed since the last one (any thread)."""
-        with self._lock:  # held only to read the descriptor: deleteEntriesTo never waits for an
+        with self._lock:  # held only to read the descriptor: the tick thread never waits for an
             target = self._changes  # fdatasync in flight on the background thread
             if self._fd < 0 or target == self._synced:
                 return
@@ -327,6 +369,112 @@ class RaftJournal(Journal):
         with self._lock:
             self._synced = max(self._synced, target)
 
+    # -- the compaction rewrite (rewriter thread; see deleteEntriesTo) ---------------------------
+
+    def _start_rewriter(self) -> threading.Thread:
+        """With ``_lock`` held: the rewriter thread, registered; the caller starts it after
+        releasing the lock."""
+        self._rewriter = threading.Thread(target=self._rewrite_all, daemon=True,
+                                          name=f"kvps-journal-rewrite {self._path.parent.name}")
+        return self._rewriter
+
+    def _wait_rewritten(self) -> None:
+        while True:
+            with self._lock:
+                rewriter = self._rewriter
+            if rewriter is None or rewriter is threading.current_thread():
+                return
+            rewriter.join()
+
+    def _rewrite_all(self) -> None:
+        """Rewrite until the file starts at ``_cut``; deciding to stop and unregistering happen
+        under one hold of the lock, so a ``deleteEntriesTo`` is never left without a rewriter."""
+        try:
+            while True:
+                with self._lock:
+                    if self._fd < 0 or self._cut == self._shift + _HEADER.size:
+                        self._rewriter = None
+                        return
+                    epoch, start, src_shift = self._epoch, self._cut, self._shift
+                    self._truncated = _NOT_TRUNCATED
+                    src = os.dup(self._fd)
+                try:
+                    if not self._rewrite(epoch, start, src, src_shift):
+                        break  # an I/O error, reported; the old file stays (as after a crash)
+                finally:
+                    os.close(src)
+        finally:
+            with self._lock:
+                if self._rewriter is threading.current_thread():
+                    self._rewriter = None
+
+    def _rewrite(self, epoch: int, start: int, src: int, src_shift: int) -> bool:
+        """One rewrite of the journal (``src``, a duplicate of ``_fd`` whose file holds
+        ``position - src_shift``) into a new file starting at position ``start``. False after an
+        I/O error (reported through ``on_io_error``), True otherwise (switched or given up)."""
+        tmp = Path(f"{self._path}.tmp")
+        durable = self._policy != "never"
+        shift = start - _HEADER.size  # position - shift = offset in the new file
+        fd, switched, old = -1, 0, -1
+        try:
+            if durable:  # the snapshot's rename, which this rewrite follows, reaches disk first
+                _fsync_dir(self._path.parent)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            _pwrite_all(fd, [_HEADER.pack(MAGIC, VERSION, 0, 0)], 0)
+            copied, rounds = start, 0
+            while True:
+                with self._lock:
+                    if self._epoch != epoch:  # clear(): the records being copied are gone
+                        break
+                    copied = min(copied, self._truncated)
+                    self._truncated = _NOT_TRUNCATED
+                    end = self._end
+                    if rounds and (end - copied <= _CATCH_UP_BYTES or rounds >= _CATCH_UP_ROUNDS):
+                        old, switched = self._switch(tmp, fd, src, src_shift, shift, copied)
+                        break
+                os.ftruncate(fd, copied - shift)  # drop what a truncation made stale
+                copied += _copy_range(src, fd, copied - src_shift, end - copied, copied - shift,
+                                      to_eof=True)  # ends early if the file was cut meanwhile
+                if durable:
+                    _fdatasync(fd)
+                rounds += 1
+            if not switched:
+                os.close(fd)
+                tmp.unlink()
+                return True
+            os.close(old)
+            if self._policy == "interval":
+                _fdatasync(fd)
+                _fsync_dir(self._path.parent)
+                with self._lock:
+                    self._synced = max(self._synced, switched)
+            return True
+        except OSError as exc:
+            if fd >= 0 and not switched:
+                os.close(fd)
+            self._on_io_error(exc, f"rewriting the journal into {tmp}")
+            return False
+
+    def _switch(self, tmp: Path, fd: int, src: int, src_shift: int, shift: int,
+                copied: int) -> tuple[int, int]:
+        """With ``_lock`` held: copy what the rounds have not, put the new file in place and
+        append to it from now on; (the replaced descriptor, the change count it covers)."""
+        os.ftruncate(fd, copied - shift)
+        _copy_range(src, fd, copied - src_shift, self._end - copied, copied - shift)
+        always = self._policy == "always"
+        if always:
+            _fdatasync(fd)
+        os.rename(tmp, self._path)
+        if always:
+            _fsync_dir(self._path.parent)
+        old, self._fd, self._shift = self._fd, fd, shift
+        self._changes += 1  # a sync of the old file in flight does not cover the new one
+        if always:
+            self._synced = self._changes
+        return old, self._changes
+
+    # -- file access ----------------------------------------------------------------------------
+
     def _write(self, buffers: Sequence[Any], offset: int, what: str) -> None:
         try:
             _pwrite_all(self._fd, buffers, offset)
@@ -340,9 +488,8 @@ class RaftJournal(Journal):
         except OSError as exc:
             self._on_io_error(exc, "truncating the journal")
             raise
-        self._end = size
 
-    def _open_journal(self) -> int:
+    def _open_journal(self, first_index: int) -> int:
         if not self._path.exists():
             self._create_empty()
         fd = os.open(self._path, os.O_RDWR)
@@ -360,6 +507,14 @@ class RaftJournal(Journal):
             os.close(fd)
             raise
         self._end = end
+        covered = min(len(self._entries), first_index - self._entries[0][1]) if self._entries else 0
+        if covered > 0:  # indexes are consecutive (_read_records stops where they are not)
+            logger.warning("raft journal %s: dropping entries %d..%d, older than the snapshot's "
+                           "previous entry %d (a compaction's rewrite was cut short)", self._path,
+                           self._entries[0][1], self._entries[covered - 1][1], first_index)
+            del self._entries[:covered]
+            del self._offsets[:covered]
+        self._cut = self._offsets[0] if self._offsets else end
         return fd
 
     def _create_empty(self) -> None:
@@ -476,7 +631,6 @@ def _background(ref: weakref.ref, stop: threading.Event, period: float) -> None:
         if journal is None:
             return
         try:
-            journal._close_replaced()
             if journal._policy == "interval":
                 journal._sync()
             if journal._meta_dirty and time.monotonic() >= next_meta:
@@ -487,8 +641,11 @@ def _background(ref: weakref.ref, stop: threading.Event, period: float) -> None:
         del journal
 
 
-def _copy_range(src: int, dst: int, offset: int, count: int, dst_offset: int) -> None:
-    """Copy ``count`` bytes of ``src`` at ``offset`` to ``dst`` at ``dst_offset`` in the kernel."""
+def _copy_range(src: int, dst: int, offset: int, count: int, dst_offset: int, *,
+                to_eof: bool = False) -> int:
+    """Copy ``count`` bytes of ``src`` at ``offset`` to ``dst`` at ``dst_offset`` in the kernel;
+    the bytes copied. Where ``src`` ends first: an error, or with ``to_eof`` the end of the copy."""
+    copied = 0
     while count > 0:
         try:
             n = os.copy_file_range(src, dst, count, offset, dst_offset)
@@ -498,10 +655,14 @@ def _copy_range(src: int, dst: int, offset: int, count: int, dst_offset: int) ->
             n = len(chunk := os.pread(src, min(count, 4 << 20), offset))
             _pwrite_all(dst, [chunk], dst_offset)
         if n == 0:
-            raise OSError(f"copy_file_range copied nothing with {count} bytes left")
+            if to_eof:
+                break
+            raise OSError(errno.EIO, f"copy_file_range copied nothing with {count} bytes left")
         offset += n
         dst_offset += n
         count -= n
+        copied += n
+    return copied
 
 
 def _pwrite_all(fd: int, buffers: Sequence[Any], offset: int) -> None:
@@ -554,15 +715,19 @@ def _create_journal(journalFile: str | None = None) -> Journal:
 
 
 @contextmanager
-def using_journal(path: str | Path, *, fsync: str, fsync_interval: float) -> Iterator[None]:
+def using_journal(path: str | Path, *, fsync: str, fsync_interval: float,
+                  first_index: int = 0) -> Iterator[None]:
     """While inside, a ``SyncObj`` constructed with ``journalFile=path`` gets a ``RaftJournal``
-    with this policy. Raises ``RuntimeError`` if the block ends without pysyncobj asking for it."""
+    with this policy, dropping records below ``first_index`` (the index of the dump file's
+    previous entry, 0 without one: see the module docstring). Raises ``RuntimeError`` if the
+    block ends without pysyncobj asking for it."""
     pysyncobj.syncobj.createJournal = _create_journal
     key = os.path.abspath(path)
     with _registry_lock:
         if key in _registry:
             raise RuntimeError(f"raft journal {key} is already being opened")
-        _registry[key] = {"fsync": fsync, "fsync_interval": fsync_interval}
+        _registry[key] = {"fsync": fsync, "fsync_interval": fsync_interval,
+                          "first_index": first_index}
     try:
         yield
     finally:
