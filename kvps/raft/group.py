@@ -130,7 +130,7 @@ class ShardGroup(SyncObj):
         first_index = 0  # the journal's records below this index are covered by the snapshot
         if dump_path.exists():  # refuse to start on a corrupt snapshot (CodecError)
             first_index = snapshot_file.read(dump_path).prev_entry[1]
-        for leftover in (".partial", ".tmp", ".1.tmp"):  # a compaction or install cut short
+        for leftover in (".partial", ".tmp", ".1.tmp", ".old"):  # a compaction or install cut short
             _unlink(str(dump_path) + leftover)
 
         # Everything the tick thread may touch is set before SyncObj.__init__ starts it.
@@ -338,7 +338,8 @@ class ShardGroup(SyncObj):
             members=tuple(sorted(node.address for node in cluster)),
             state=b"")
         self.compactions["started"] += 1
-        self._compaction = _Compaction(snap, state, str(self._dump_path) + ".partial", self._installs)
+        self._compaction = _Compaction(snap, state, str(self._dump_path) + ".partial", self._installs,
+                                       dump=str(self._dump_path))
         self._compaction.start()
 
     def _check_snapshot(self) -> int:
@@ -357,6 +358,7 @@ class ShardGroup(SyncObj):
         if job.installs != self._installs:  # a leader's snapshot replaced the state meanwhile
             self.compactions["discarded"] += 1
             _unlink(job.partial)
+            _unlink(job.old)
             logger.info("raft snapshot at entry %d discarded: a newer one was installed", job.index)
             return SERIALIZER_STATE.FAILED
         try:
@@ -366,6 +368,8 @@ class ShardGroup(SyncObj):
             # durable with its own rename and fsync of this same directory, which persists this
             # rename too (renames in one directory reach the disk in order).
             os.replace(job.partial, self._dump_path)
+            threading.Thread(target=_unlink, args=(job.old,), daemon=True,
+                             name="kvps-compaction-unlink").start()
         except OSError as exc:
             self.compactions["failed"] += 1
             logger.error("raft snapshot at entry %d could not be put in place: %s", job.index, exc)
@@ -395,10 +399,12 @@ class _Compaction:
     """One log compaction's writer thread: encodes the state view and writes ``partial``."""
 
     def __init__(self, snap: snapshot_file.RaftSnapshot | None, state: Any, partial: str,
-                 installs: int) -> None:
+                 installs: int, dump: str = "") -> None:
         self.snap = snap
         self.state = state
         self.partial = partial
+        self.dump = dump
+        self.old = dump + ".old"
         self.installs = installs
         self.index = snap.last_entry[1] if snap is not None else -1
         self.error: BaseException | None = None
@@ -428,6 +434,14 @@ class _Compaction:
                                               self.snap.members, state)
             snapshot_file.write(self.partial, snap)
             self.nbytes = os.path.getsize(self.partial)
+            # A second link to the snapshot the rename will replace: the tick thread then drops a
+            # name, not the last one, and freeing a GB-sized file's blocks (which can wait on the
+            # filesystem journal while other replicas write) happens on a helper thread.
+            _unlink(self.old)
+            try:
+                os.link(self.dump, self.old)
+            except FileNotFoundError:
+                pass
         except BaseException as exc:  # reported through the checker, on the tick thread
             self.error = exc
             _unlink(self.partial)
