@@ -98,7 +98,8 @@ def compactions(c: LocalCluster) -> list[dict]:
                                          headers={"Authorization": f"Bearer {c.token}"})
             with urllib.request.urlopen(req, timeout=10) as resp:
                 st = json.loads(resp.read())
-            out.append({"shard": shard["id"], "node": r["node"], **(st.get("compactions") or {})})
+            out.append({"shard": shard["id"], "node": r["node"], **(st.get("compactions") or {}),
+                        "tick_stalls": st.get("tick_stalls")})
     return out
 
 
@@ -190,6 +191,7 @@ def main() -> int:
             trainer.stop.set()
             trainer.thread.join(30)
             terms1 = leader_changes(c)
+            results["replicas_after_snapshot"] = compactions(c)
 
             progress("restoring it")
             dropped = drop_caches(drop)
@@ -244,6 +246,10 @@ def main() -> int:
     secs = max((x.get("last_seconds", 0) for x in results["log_compactions_during_load"]), default=0)
     print(f"log compaction while loading: largest {big / 2**30:.2f} GiB written in up to {secs:.2f} s "
           f"off the tick thread; leader changes during the load: {results['leader_changes_during_load']}")
+    stalls = [x["tick_stalls"] for x in results["replicas_after_snapshot"] if x.get("tick_stalls")]
+    if stalls:
+        print(f"Raft tick thread: longest gap {max(s['max_seconds'] for s in stalls):.3f} s, "
+              f"gaps over 100 ms: {sum(s['over_100ms'] for s in stalls)} (all replicas, whole run)")
     try:
         _plot(results, out / "snapshot.png")
     except ImportError:

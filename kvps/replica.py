@@ -704,6 +704,7 @@ class Replica:
             "serving": st["role"] == "leader" and self._serving_term == st["term"],
             "commit_index": st["commit_index"], "applied_index": st["applied_index"],
             "log_entries": st["log_entries"], "compactions": st.get("compactions"),
+            "tick_stalls": st.get("tick_stalls"),
             "in_flight_bytes": self._batcher.accepted_bytes if self._batcher else 0,
             "counters": dict(self.counters),
             "peers": self.peer_lag() if st["role"] == "leader" else {},

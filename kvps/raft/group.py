@@ -152,6 +152,8 @@ class ShardGroup(SyncObj):
         self._installs = 0  # snapshots installed from a leader (a running compaction is then stale)
         self.compactions = {"started": 0, "succeeded": 0, "failed": 0, "discarded": 0,
                             "last_seconds": 0.0, "last_bytes": 0}
+        self._last_tick: float | None = None
+        self.tick_stalls = {"max_seconds": 0.0, "over_100ms": 0}  # tick thread gaps
         self._failover = FastFailover(self, raft.fast_failover_stagger)
 
         conf = SyncObjConf(
@@ -278,6 +280,7 @@ class ShardGroup(SyncObj):
             "applied_index": self.raftLastApplied,
             "log_entries": self._getRaftLogSize(),
             "compactions": dict(self.compactions),
+            "tick_stalls": dict(self.tick_stalls),
             "fast_failovers": self._failover.hastened,  # elections brought forward (leader gone)
             # caught up once with a leader's commit index, and a leader is known now
             "ready": bool(self.isReady()) and leader is not None,
@@ -309,8 +312,19 @@ class ShardGroup(SyncObj):
     # -- tick-thread hooks --------------------------------------------------------------------
 
     def _note_tick_thread(self) -> None:
+        now = time.monotonic()
         if self._tick_thread is None:
             self._tick_thread = threading.current_thread()
+        elif self._last_tick is not None:
+            # How long the tick thread went without ticking: a gap near the election timeout
+            # means heartbeats stopped (disk waits, GIL, CPU starvation); /v1/status shows it.
+            gap = now - self._last_tick
+            stalls = self.tick_stalls
+            if gap > stalls["max_seconds"]:
+                stalls["max_seconds"] = round(gap, 3)
+            if gap > 0.1:
+                stalls["over_100ms"] += 1
+        self._last_tick = now
 
     def _on_state_changed(self, old: int, new: int) -> None:
         self._role = _ROLES.get(new, "follower")
