@@ -59,9 +59,12 @@ class RaftConfig:
     max_frame_bytes: int = 64 * MiB
     # Socket buffers for peer connections; 0 keeps the kernel's autotuning.
     socket_buffer_bytes: int = 0
-    # Compact the log (our snapshot format) after this many applied bytes / entries.
+    # Compact the log (our snapshot format) after this many applied bytes / entries; for a shard
+    # bigger than compact_bytes, once the log has grown by compact_ratio x the last snapshot's size
+    # (writing a 1 GB snapshot every 256 MB of pushes would keep the disk busy with compactions).
     compact_bytes: int = 256 * MiB
     compact_entries: int = 20000
+    compact_ratio: float = 1.0
     # Commands waiting in pysyncobj's queue before it answers QUEUE_FULL.
     queue_size: int = 4096
     # When journal appends reach stable storage. Every policy survives kill -9 (the page cache
@@ -74,7 +77,7 @@ class RaftConfig:
     def validate(self) -> "RaftConfig":
         _positive(self, "election_timeout_min", "heartbeat_period", "leader_fallback_timeout",
                   "connection_timeout", "max_command_bytes", "max_frame_bytes", "compact_bytes",
-                  "compact_entries", "queue_size", "fsync_interval")
+                  "compact_entries", "queue_size", "fsync_interval", "compact_ratio")
         if self.fsync not in FSYNC_POLICIES:
             raise ConfigError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, not {self.fsync!r}",
                               field="fsync")

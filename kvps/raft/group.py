@@ -152,6 +152,7 @@ class ShardGroup(SyncObj):
         self._installs = 0  # snapshots installed from a leader (a running compaction is then stale)
         self.compactions = {"started": 0, "succeeded": 0, "failed": 0, "discarded": 0,
                             "last_seconds": 0.0, "last_bytes": 0}
+        self._state_bytes = 0  # size of the last snapshot written or loaded (compaction pacing)
         self._last_tick: float | None = None
         self.tick_stalls = {"max_seconds": 0.0, "over_100ms": 0}  # tick thread gaps
         self._failover = FastFailover(self, raft.fast_failover_stagger)
@@ -188,7 +189,8 @@ class ShardGroup(SyncObj):
                             "InvalidRequest", index, len(data), exc, exc_info=True)
             result = InvalidRequest(f"applying log entry {index} failed: {type(exc).__name__}: {exc}",
                                     index=index)
-        if self._applied_bytes >= self._raft.compact_bytes:
+        if self._applied_bytes >= max(self._raft.compact_bytes,
+                                      self._raft.compact_ratio * self._state_bytes):
             self._applied_bytes = 0
             self.forceLogCompaction()
         return result
@@ -391,6 +393,7 @@ class ShardGroup(SyncObj):
         self.compactions["succeeded"] += 1
         self.compactions["last_seconds"] = round(job.seconds, 3)
         self.compactions["last_bytes"] = job.nbytes
+        self._state_bytes = job.nbytes
         logger.info("raft snapshot at entry %d: %d bytes written in %.3f s (writer thread)",
                     job.index, job.nbytes, job.seconds)
         return SERIALIZER_STATE.SUCCESS
@@ -403,6 +406,7 @@ class ShardGroup(SyncObj):
             logger.critical("raft snapshot %s could not be loaded", path, exc_info=True)
             raise
         self._applied_bytes = 0
+        self._state_bytes = len(snap.state)
         self._installs += 1
         logger.info("raft snapshot loaded: entry %d, %d state bytes", snap.last_entry[1],
                     len(snap.state))
