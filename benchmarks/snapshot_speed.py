@@ -10,9 +10,10 @@ processes writing (conv=fsync) and then reading (page cache dropped first, as ro
 each, side by side in the same run. Reported: model bytes/s (what a user waits for) and disk
 bytes/s (all replicas), each as a ratio of dd's disk bytes/s.
 
-Training throughput: one client steps (pull + push of a 16 MiB key) for --window seconds without a
-snapshot, during a snapshot of the whole model, and without again; the ratio is during / mean of
-the two without. Leader changes during the run are counted (heartbeats must keep flowing while
+Write throughput is measured on a snapshot taken with nothing else running (no training, no log
+compaction in flight); the restore, measured the same way, reads it back. Training throughput: one client steps (pull + push of a 16 MiB key) for --window seconds
+without a snapshot, during a second snapshot of the whole model, and without again; the ratio is
+during / mean of the two without. Leader changes during the run are counted (heartbeats must keep flowing while
 the replicas write). Writes results.json and snapshot.png to --out.
 """
 from __future__ import annotations
@@ -103,6 +104,17 @@ def compactions(c: LocalCluster) -> list[dict]:
     return out
 
 
+def wait_compactions_idle(c: LocalCluster, timeout: float = 180.0) -> None:
+    """Until no replica is writing a log compaction (the 'nothing else running' measurements)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(x.get("started", 0) == x.get("succeeded", 0) + x.get("failed", 0) + x.get("discarded", 0)
+               for x in compactions(c)):
+            return
+        time.sleep(0.2)
+    progress("  (a compaction is still running; measuring anyway)")
+
+
 def leader_changes(c: LocalCluster) -> int:
     cmap = c.cluster_map(timeout=5.0) or {"shards": []}
     return sum(int(s.get("term") or 0) for s in cmap["shards"])
@@ -169,6 +181,13 @@ def main() -> int:
             results["log_compactions_during_load"] = compactions(c)
             results["leader_changes_during_load"] = terms0 - terms_load
 
+            wait_compactions_idle(c)
+            progress("taking a snapshot with nothing else running (write throughput)")
+            t_quiet = time.monotonic()
+            snap = api(c, "POST", "/v1/snapshots", {"label": "bench-quiet"})
+            snap_s = time.monotonic() - t_quiet
+            progress(f"  snapshot {snap['id']}: {snap['size'] / MiB:.0f} MiB per copy in {snap_s:.2f} s")
+
             trainer = Trainer(c)
             trainer.thread.start()
             while len(trainer.times) < 5:
@@ -180,10 +199,10 @@ def main() -> int:
 
             progress("taking a snapshot while training")
             t_snap = time.monotonic()
-            snap = api(c, "POST", "/v1/snapshots", {"label": "bench"})
-            snap_s = time.monotonic() - t_snap
-            during = trainer.rate(t_snap, t_snap + snap_s)
-            progress(f"  snapshot {snap['id']}: {snap['size'] / MiB:.0f} MiB per copy in {snap_s:.2f} s")
+            busy = api(c, "POST", "/v1/snapshots", {"label": "bench-training"})
+            busy_s = time.monotonic() - t_snap
+            during = trainer.rate(t_snap, t_snap + busy_s)
+            progress(f"  snapshot {busy['id']}: {busy['size'] / MiB:.0f} MiB per copy in {busy_s:.2f} s")
             progress(f"training without a snapshot for {args.window} s")
             t1 = time.monotonic()
             time.sleep(args.window)
@@ -193,7 +212,8 @@ def main() -> int:
             terms1 = leader_changes(c)
             results["replicas_after_snapshot"] = compactions(c)
 
-            progress("restoring it")
+            progress("restoring it (once no log compaction is running)")
+            wait_compactions_idle(c)
             dropped = drop_caches(drop)
             t_restore = time.monotonic()
             api(c, "POST", f"/v1/snapshots/{snap['id']}/restore")
@@ -215,12 +235,15 @@ def main() -> int:
     results.update({
         "snapshot": {"seconds": snap_s, "bytes_per_copy": snap["size"], "copies": copies,
                      "model_Bps": model / snap_s, "disk_Bps": copies * snap["size"] / snap_s},
+        "snapshot_during_training": {"seconds": busy_s, "disk_Bps": copies * busy["size"] / busy_s},
         "restore": {"seconds": restore_s, "model_Bps": model / restore_s,
                     "disk_Bps": copies * snap["size"] / restore_s, "cold_read": dropped},
         "dd": dd,
         "training": {"steps_per_s_before": before, "steps_per_s_during": during,
                      "steps_per_s_after": after, "ratio_during_vs_without": during / base if base else None},
         "leader_changes_during_run": terms1 - terms0,
+        "step_times": [round(t - t0, 3) for t in trainer.times],  # s since the first window began
+        "snapshot_window": [round(t_snap - t0, 3), round(t_snap - t0 + busy_s, 3)],
     })
     results["ratio_vs_dd"] = {
         "snapshot_disk_write": results["snapshot"]["disk_Bps"] / dd["write_Bps"],
@@ -239,6 +262,7 @@ def main() -> int:
           f" vs dd {d['read_Bps'] / 1e6:.0f} MB/s: ratio_vs_dd {r['ratio_vs_dd']['restore_disk_read']:.2f}"
           f" (model bytes: {r['ratio_vs_dd']['restore_model_read']:.2f})")
     t = r["training"]
+    print(f"snapshot while training: {busy_s:.2f} s, {r['snapshot_during_training']['disk_Bps'] / 1e6:.0f} MB/s to disk")
     print(f"training: {t['steps_per_s_before']:.2f} steps/s before, {t['steps_per_s_during']:.2f} during the "
           f"snapshot, {t['steps_per_s_after']:.2f} after: ratio {t['ratio_during_vs_without']:.2f}; "
           f"leader changes during the run: {r['leader_changes_during_run']}")
@@ -246,7 +270,11 @@ def main() -> int:
     secs = max((x.get("last_seconds", 0) for x in results["log_compactions_during_load"]), default=0)
     print(f"log compaction while loading: largest {big / 2**30:.2f} GiB written in up to {secs:.2f} s "
           f"off the tick thread; leader changes during the load: {results['leader_changes_during_load']}")
-    stalls = [x["tick_stalls"] for x in results["replicas_after_snapshot"] if x.get("tick_stalls")]
+    after = results["replicas_after_snapshot"]
+    print(f"log compactions during training: {sum(x.get('succeeded', 0) for x in after)} done, the last "
+          f"{max(x.get('last_bytes', 0) for x in after) / 2**30:.2f} GiB each, written in up to "
+          f"{max(x.get('last_seconds', 0) for x in after):.1f} s off the tick thread")
+    stalls = [x["tick_stalls"] for x in after if x.get("tick_stalls")]
     if stalls:
         print(f"Raft tick thread: longest gap {max(s['max_seconds'] for s in stalls):.3f} s, "
               f"gaps over 100 ms: {sum(s['over_100ms'] for s in stalls)} (all replicas, whole run)")
@@ -272,10 +300,13 @@ def _plot(r: dict, path: Path) -> None:
     a.set_xticks(x, labels)
     a.set_ylabel("MB/s to / from disk")
     a.legend()
-    t = r["training"]
-    b.bar(["before", "during snapshot", "after"],
-          [t["steps_per_s_before"], t["steps_per_s_during"], t["steps_per_s_after"]])
-    b.set_ylabel("training steps/s")
+    steps = np.array(r["step_times"])
+    if len(steps) > 1:
+        b.plot(steps[1:], 1.0 / np.maximum(np.diff(steps), 1e-3), ".", ms=3)
+        b.axvspan(*r["snapshot_window"], color="orange", alpha=0.3, label="snapshot")
+        b.set_xlabel("s")
+        b.set_ylabel("training steps/s (1 / step time)")
+        b.legend()
     fig.suptitle(f"kvps snapshot of a {r['model_bytes'] / 2**30:.1f} GiB model")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -37,7 +37,7 @@ from kvps.errors import (
 from kvps.history import BlockHistory
 from kvps.merge import PushRequest, is_finite, request_bytes
 from kvps.metrics import ReplicaMetrics
-from kvps.raft import bridge
+from kvps.raft import bridge, snapshot_file
 from kvps.raft import membership as raft_membership
 from kvps.raft.group import ShardGroup, background_priority
 from kvps.shard import ShardState
@@ -101,6 +101,8 @@ class Replica:
         self._staged: dict[tuple[str, str], ShardState] = {}  # (id, digest) -> loaded, for restore
         # acknowledgements held while a snapshot is being cut: {"snap", "deadline", "ids"}
         self._hold: dict | None = None
+        self._activity = (0, 0.0)  # (entries applied + pulls served, when that last moved)
+        snapshot_file.set_busy_probe(self._serving_recently)
         # for fetching a snapshot file from a peer replica (set by the process wiring)
         self.peer_token: Any = lambda: ""
         self.client_ssl: Any = None
@@ -213,6 +215,16 @@ class Replica:
             self._group.forceLogCompaction()  # so a restart does not need the file again
         log.info("shard %d: restored snapshot %s: %s", self.shard, cmd.snap_id, result)
         return result
+
+    def _serving_recently(self) -> bool:
+        """Did this replica apply an entry or serve a pull in the last 0.2 s? (writer threads)"""
+        count = self.counters["pulls"] + (self._group.raftLastApplied if self._group is not None else 0)
+        seen, at = self._activity
+        now = time.monotonic()
+        if count != seen:
+            self._activity = (count, now)
+            return True
+        return now - at < 0.2
 
     def _load_or_fetch_blocking(self, snap_id: str, digest: str) -> ShardState | None:
         """On the apply thread: this replica's file, else one fetched from a peer replica. Slow

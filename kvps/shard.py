@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,10 +48,11 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
 
 
 def _keep(arr: np.ndarray) -> np.ndarray:
-    """A block array from a decoded snapshot: a read-only view of immutable bytes is kept as it
-    is (no copy of a 1 GB restore); anything writeable is copied, since blocks never change."""
-    if not arr.flags.writeable and isinstance(_base_of(arr), bytes):
-        return arr
+    """A block array from a decoded snapshot: a read-only view of immutable bytes (or of a
+    read-only mapped snapshot file) is kept as it is (no copy of a 1 GB restore); anything
+    writeable is copied, since blocks never change."""
+    if not arr.flags.writeable and isinstance(_base_of(arr), (bytes, mmap.mmap)):
+        return arr  # bytes are immutable; snapshot files are mapped read-only and never rewritten
     return _frozen(arr.copy())
 
 

@@ -17,6 +17,7 @@ never a half-written snapshot under the real name. Anything that does not verify
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import struct
 import zlib
@@ -87,13 +88,17 @@ def read(path: Path, *, shard: int | None = None, snap_id: str | None = None,
     path = Path(path)
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            # Mapped, not read: a restore keeps the blocks as read-only views of the file's pages
+            # (no copy of a GB-sized state; the kernel pages them in and may evict them). Snapshot
+            # files are never modified in place, only replaced or unlinked, which a mapping
+            # survives.
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
     except FileNotFoundError:
         raise CodecError(f"snapshot file {path} is missing", path=str(path)) from None
     return read_bytes(data, shard=shard, snap_id=snap_id, digest=digest, path=str(path))
 
 
-def read_bytes(data: bytes, *, shard: int | None = None, snap_id: str | None = None,
+def read_bytes(data: bytes | mmap.mmap, *, shard: int | None = None, snap_id: str | None = None,
                digest: str | None = None, path: str = "<bytes>") -> SnapshotFile:
     """``read`` for a file's content already in memory (a download)."""
     view = memoryview(data)

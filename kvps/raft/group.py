@@ -55,6 +55,7 @@ import itertools
 import logging
 import os
 import pickle
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -469,11 +470,33 @@ class _Compaction:
 
 
 def background_priority(niceness: int = 10) -> None:
-    """Lower the calling thread's CPU priority (Linux: per thread): snapshot writers yield the
-    cores to the Raft tick thread and the request handlers of this and the other replicas."""
+    """Lower the calling thread's CPU and disk priority (Linux: both are per thread): snapshot
+    writers yield the cores to the Raft tick thread and request handling, and their disk writes
+    (submitted by this thread's periodic fdatasync) to the journals', where the I/O scheduler
+    honours priorities (mq-deadline, bfq)."""
+    tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+        os.setpriority(os.PRIO_PROCESS, tid, niceness)
     except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
+        pass
+    _lowest_io_priority(tid)
+
+
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}  # syscall numbers; glibc has no wrapper
+
+
+def _lowest_io_priority(tid: int) -> None:
+    import ctypes
+    import platform
+
+    number = _IOPRIO_SET.get(platform.machine())
+    if number is None or not sys.platform.startswith("linux"):
+        return
+    best_effort, lowest = 2, 7  # IOPRIO_CLASS_BE, level 7 (0 is highest)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall(number, 1, tid, (best_effort << 13) | lowest)  # IOPRIO_WHO_PROCESS (a thread)
+    except (OSError, AttributeError):
         pass
 
 

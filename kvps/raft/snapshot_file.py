@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +87,7 @@ def write_buffers(fd: int, buffers, sync_every: int = SYNC_EVERY) -> int:
     with dirty pages: past the kernel's dirty limits every writer on the machine is throttled,
     the Raft journals included, and their heartbeats stall. Here only this writer waits."""
     written = since_sync = 0
+    started = time.monotonic()
     for buf in buffers:
         view = memoryview(buf).cast("B")
         for at in range(0, len(view), _CHUNK):
@@ -98,8 +100,24 @@ def write_buffers(fd: int, buffers, sync_every: int = SYNC_EVERY) -> int:
             if since_sync >= sync_every:
                 os.fdatasync(fd)
                 since_sync = 0
+                took = time.monotonic() - started
+                if _busy_probe is not None and _busy_probe():
+                    # The replica is serving: give the disk and cores back for as long as this
+                    # segment took (half speed while training runs, full speed when idle).
+                    time.sleep(min(took, 1.0))
+                started = time.monotonic()
     os.fsync(fd)
     return written
+
+
+_busy_probe: Callable[[], bool] | None = None
+
+
+def set_busy_probe(probe: Callable[[], bool] | None) -> None:
+    """``probe()`` says whether the process is serving requests right now; big snapshot writes
+    (log compaction, user snapshots) then run at half speed. One per process (a replica)."""
+    global _busy_probe
+    _busy_probe = probe
 
 
 def read(path: str | Path) -> RaftSnapshot:
