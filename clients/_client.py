@@ -162,12 +162,14 @@ class Client:
         last: KvpsError | None = None
         attempt = 0
         hops = 0  # hints followed at once since the last back-off (stale hints may point in a loop)
+        unreachable, skips, url = None, 0, None  # see _pick
         start = self._rng.randrange(1 << 16)  # each call walks the replicas from its own place
         try:
             async with asyncio.timeout(self.timeout):
                 while True:
-                    url = self.cluster_map.target(shard, any_replica=consistency == "follower",
-                                                  attempt=start + attempt, rng=self._rng)
+                    avoid = (unreachable, url) if skips > 0 else ()
+                    url, attempt = self._pick(shard, consistency == "follower", start, attempt, avoid)
+                    skips -= 1
                     try:
                         return await self._post(url + "/v1/rpc/" + op, body)
                     except NotLeader as exc:
@@ -184,6 +186,8 @@ class Client:
                     except RetryableError as exc:
                         last = exc
                         self.cluster_map.set_leader(shard, None)
+                        if exc.fields.get("url"):  # the transport got no answer (see HttpTransport)
+                            unreachable, skips = url, len(self.cluster_map.replicas[shard])
                     attempt += 1
                     hops = 0
                     self.stats.retries += 1
@@ -193,6 +197,26 @@ class Client:
         except TimeoutError:
             raise Timeout(f"{op} on shard {shard} did not succeed within {self.timeout}s; "
                           f"last error: {last}", shard=shard, op=op) from None
+
+    def _pick(self, shard: int, follower: bool, start: int, attempt: int,
+              avoid: tuple[str | None, ...]) -> tuple[str, int]:
+        """The replica to ask next, and the attempt it was picked at: the believed leader, else the
+        replicas in turn. ``avoid`` is (a replica that gave no answer at all, the one just asked),
+        for a few attempts after the former refused or dropped the connection (a killed leader):
+        it is passed over, also when a follower that has not noticed yet hints at it; another
+        replica knows the new leader or holds the request until one is elected."""
+        url = self.cluster_map.target(shard, any_replica=follower, attempt=start + attempt, rng=self._rng)
+        replicas = len(self.cluster_map.replicas[shard])
+        if not avoid or url != avoid[0] or replicas < 2:
+            return url, attempt
+        self.cluster_map.set_leader(shard, None)
+        for _ in range(replicas):
+            attempt += 1
+            url = self.cluster_map.target(shard, any_replica=follower, attempt=start + attempt,
+                                          rng=self._rng)
+            if url not in avoid:
+                break
+        return url, attempt
 
     async def _post(self, url: str, body: bytes) -> frame.Frame:
         self.stats.requests += 1

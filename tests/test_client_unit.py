@@ -215,3 +215,36 @@ def test_hints_that_point_in_a_loop_are_followed_at_most_twice_per_back_off():
         asyncio.run(main())
     requests_between = [b - a for a, b in zip([0, *sleeps], sleeps)]
     assert requests_between and max(requests_between) <= 3
+
+
+def test_a_replica_that_refused_the_connection_is_not_asked_again_next():
+    """The leader was killed: its port refuses connections, and a follower that has not noticed yet
+    still hints at it. The client tries another replica next, not the dead one again."""
+    log: list[str] = []
+
+    async def handler(method, url, body, headers):
+        if url.endswith("/v1/cluster"):
+            return 200, json.dumps(CLUSTER).encode()
+        base, op = url.split("/v1/rpc/")
+        log.append(base)
+        if base == URLS[2]:
+            raise kc.Unavailable(f"POST {url}: connection refused", url=url)
+        if base == URLS[0]:
+            err = NotLeader("not me", leader_hint=URLS[2])  # stale
+            return err.http_status, json.dumps(err.to_dict()).encode()
+        if op == "describe":
+            return 200, frame.encode(frame.KIND_RESPONSE, {"info": INFO})
+        return 200, frame.encode(frame.KIND_RESPONSE, {"versions": {"w": 1}})
+
+    async def main():
+        for seed in range(20):
+            async with kc.Client(["http://admin"], token="t", transport=kc.MockTransport(handler),
+                                 seed=seed, sleep=no_sleep, timeout=5) as ps:
+                ps._infos["w"] = INFO
+                ps.cluster_map.set_leader(0, URLS[2])
+                log.clear()
+                await ps.push({"w": np.ones(4, np.float32)})
+                assert log[-1] == URLS[1]
+                assert log.count(URLS[2]) <= 2 and all(a != b for a, b in zip(log, log[1:]) if a == URLS[2]), log
+
+    asyncio.run(main())
