@@ -237,7 +237,7 @@ def test_follower_append_handling_the_rebase_relies_on():
 
 
 def test_the_election_deadline_fast_failover_moves():
-    """failover.hasten_election writes SyncObj.__raftElectionDeadline, a monotonic time that the tick
+    """failover.schedule_election writes SyncObj.__raftElectionDeadline, a monotonic time that the tick
     compares with the same clock; a leader's append resets it to a full timeout, as does a vote."""
     assert pysyncobj.syncobj.monotonicTime is pysyncobj.monotonic.monotonic
     init = src(SyncObj.__init__)

@@ -7,7 +7,7 @@ closed by its kernel: its peers' connections to it end at once (EOF or reset), a
 refuses new connections. The transport reports exactly that combination for a member
 (``make_transport_class(on_peer_gone=...)``: the peer's kernel ended an authenticated connection,
 then a bare connect to its port was refused). A follower told so about the leader it follows moves
-its election deadline forward to a short, staggered delay.
+its election deadline to a short delay, staggered by address among the survivors.
 
 What does not trigger it: a partition or a slow leader (connections go silent, nothing is closed:
 the election timeout decides, as before); connections the transport closes itself (idle timeout,
@@ -23,13 +23,19 @@ then steps down on the higher term and the group elects again.
 
 Why it does not make elections more frequent:
 * only a report about the leader this replica follows counts (``leader_address()`` is the lost
-  peer: so this replica is a follower, and has not started an election since);
-* the deadline only ever moves earlier (``hasten_election``): anything pysyncobj does meanwhile
-  (an append from a leader resets the deadline to a full timeout, as usual) wins;
-* the surviving replicas do not split the vote: the k-th of them by address waits
-  ``stagger * (k + U(0, 1/2))`` (``election_delay``), so the first candidate's vote request reaches
-  the others before their own deadline; the jitter covers replicas that disagree on the member
-  list. A split vote costs what it always did: one more election timeout.
+  peer: so this replica is a follower, and has not started an election since); one report per
+  lost connection, and a dead process does not reconnect;
+* the report only sets the deadline (``schedule_election``): anything pysyncobj does afterwards
+  wins as usual (an append from a leader, or a vote it grants, resets it to a full timeout).
+
+Why the survivors do not split the vote: the k-th of them by address stands after
+``stagger * (k + U(0, 1/2))`` (``election_delay``), so the first candidate's vote request reaches
+the others before their turn. That is why the deadline is *set*, not only moved earlier: a later
+survivor whose own timeout was about to run out anyway would otherwise stand together with the
+first one (seen in the B3 benchmark: both candidates vote for themselves, and the group waits out a
+full election timeout). Its election moves at most one slot later than its timeout would have; the
+first survivor's moves earlier. The jitter covers replicas that disagree on the member list. A
+split vote costs what it always did: one more election timeout.
 
 pysyncobj checks the deadline once per tick; its tick thread polls at most 50 ms
 (``autoTickPeriod``) when no socket is busy, so keep ``stagger`` above that. The one pysyncobj
@@ -46,7 +52,7 @@ from typing import Any
 
 from pysyncobj.monotonic import monotonic
 
-__all__ = ["FastFailover", "election_delay", "hasten_election"]
+__all__ = ["FastFailover", "election_delay", "schedule_election"]
 
 logger = logging.getLogger("kvps.raft")
 
@@ -60,14 +66,13 @@ def election_delay(self_address: str, members: Iterable[str], gone: str, stagger
     return stagger * (survivors.index(self_address) + u / 2)
 
 
-def hasten_election(group: Any, delay: float) -> bool:
-    """Move ``group``'s election deadline to ``delay`` seconds from now if that is earlier;
-    True when it moved. Tick thread only."""
+def schedule_election(group: Any, delay: float) -> float:
+    """Set ``group``'s election deadline to ``delay`` seconds from now; returns how many seconds
+    the deadline moved (negative: earlier). Tick thread only."""
     deadline = monotonic() + delay
-    if deadline >= group._SyncObj__raftElectionDeadline:
-        return False
+    moved = deadline - group._SyncObj__raftElectionDeadline
     group._SyncObj__raftElectionDeadline = deadline
-    return True
+    return moved
 
 
 class FastFailover:
@@ -77,7 +82,7 @@ class FastFailover:
         self._group = group
         self._stagger = stagger
         self._rng = rng or random.Random()
-        self.hastened = 0  # elections brought forward
+        self.scheduled = 0  # elections scheduled because the leader's process was gone
 
     def on_peer_gone(self, address: str) -> None:
         group = self._group
@@ -85,7 +90,7 @@ class FastFailover:
             return  # not the leader we follow (or we lead, or an election is already under way)
         delay = election_delay(group.selfNode.address, (n.address for n in group.otherNodes),
                                address, self._stagger, self._rng.random())
-        if hasten_election(group, delay):
-            self.hastened += 1
-            logger.info("raft leader %s is gone (connection closed, port refused); standing for "
-                        "election in %.0f ms", address, 1000 * delay)
+        moved = schedule_election(group, delay)
+        self.scheduled += 1
+        logger.info("raft leader %s is gone (connection closed, port refused); standing for "
+                    "election in %.0f ms (%+.0f ms)", address, 1000 * delay, 1000 * moved)

@@ -284,7 +284,7 @@ class ShardGroup(SyncObj):
             "log_entries": self._getRaftLogSize(),
             "compactions": dict(self.compactions),
             "tick_stalls": dict(self.tick_stalls),
-            "fast_failovers": self._failover.hastened,  # elections brought forward (leader gone)
+            "fast_failovers": self._failover.scheduled,  # elections scheduled: the leader was gone
             # caught up once with a leader's commit index, and a leader is known now
             "ready": bool(self.isReady()) and leader is not None,
         }
