@@ -29,13 +29,15 @@ Why it does not make elections more frequent:
   wins as usual (an append from a leader, or a vote it grants, resets it to a full timeout).
 
 Why the survivors do not split the vote: the k-th of them by address stands after
-``stagger * (k + U(0, 1/2))`` (``election_delay``), so the first candidate's vote request reaches
-the others before their turn. That is why the deadline is *set*, not only moved earlier: a later
-survivor whose own timeout was about to run out anyway would otherwise stand together with the
-first one (seen in the B3 benchmark: both candidates vote for themselves, and the group waits out a
-full election timeout). Its election moves at most one slot later than its timeout would have; the
-first survivor's moves earlier. The jitter covers replicas that disagree on the member list. A
-split vote costs what it always did: one more election timeout.
+``stagger * (k + U(0, 1/4))`` (``election_delay``), so the first candidate's vote request has at
+least 3/4 of a stagger to reach the others before their turn (the default, 0.15 s, is for a loaded
+2-core machine, where 0.1 s was seen to be too little for a busy replica to handle it). That is
+why the deadline is *set*, not only moved earlier: a later survivor whose own timeout was about to
+run out anyway would otherwise stand together with the first one (seen in the B3 benchmark: both
+candidates vote for themselves, and the group waits out a full election timeout). Its election
+moves at most one slot later than its timeout would have; the first survivor's moves earlier. The
+jitter covers replicas that disagree on the member list. A split vote costs what it always did:
+one more election timeout.
 
 pysyncobj checks the deadline once per tick; its tick thread polls at most 50 ms
 (``autoTickPeriod``) when no socket is busy, so keep ``stagger`` above that. The one pysyncobj
@@ -60,10 +62,10 @@ logger = logging.getLogger("kvps.raft")
 def election_delay(self_address: str, members: Iterable[str], gone: str, stagger: float,
                    u: float) -> float:
     """Seconds this replica waits before standing for election once ``gone`` is known dead:
-    ``stagger * (rank + u / 2)`` with ``rank`` its place by address among the members left
+    ``stagger * (rank + u / 4)`` with ``rank`` its place by address among the members left
     (``u`` in [0, 1) is the caller's random draw)."""
     survivors = sorted({*members, self_address} - {gone})
-    return stagger * (survivors.index(self_address) + u / 2)
+    return stagger * (survivors.index(self_address) + u / 4)
 
 
 def schedule_election(group: Any, delay: float) -> float:
