@@ -33,7 +33,7 @@ class ChaosCluster(LocalCluster):
         self.topology = topology
         self.seed = seed
         self.proxies: dict[int, subprocess.Popen] = {}
-        self.joined: list[subprocess.Popen] = []  # nodes added by the membership fault
+        self.joined: dict[int, subprocess.Popen] = {}  # nodes started with join_node, by id
         super().__init__(data_dir, nodes=nodes, shards=shards, replicas=3,
                          port=NETNS_PORT if topology else None, raft=raft, server=server,
                          env={"KVPS_LOG_LEVEL": "info"})
@@ -84,8 +84,8 @@ class ChaosCluster(LocalCluster):
 
     def stop(self) -> None:
         try:
-            for proc in self.joined:
-                stop_process(proc, timeout=10.0, group=True)
+            for node_id in list(self.joined):
+                self.release_node(node_id)
             super().stop()
         finally:
             for proc in self.proxies.values():
@@ -96,18 +96,40 @@ class ChaosCluster(LocalCluster):
         proc = self.procs.get(node_id)
         return proc.pid if proc is not None and proc.poll() is None else None
 
-    def join_node(self) -> subprocess.Popen:
-        """Start ``kvps node join`` for one more node on free loopback ports (membership fault);
-        the caller drains it, after which it exits by itself."""
+    def join_node(self, node_id: int) -> subprocess.Popen:
+        """Start ``kvps node join`` for one more node; the caller drains it (its process then
+        exits by itself) and calls ``release_node``. ``node_id`` is the id the cluster will give
+        it (ids are never reused: the number of nodes it has known); it names the data dir and,
+        in namespace mode, the node's namespace and address. A joined node gets no delay proxy:
+        the membership fault runs alone, so no delay fault ever targets it."""
         from kvps.local import free_port_base
         from kvps.process import python_module_args
-        port = free_port_base(2 * self.cfg.shards + 2)
+        if node_id in self.joined:
+            raise RuntimeError(f"node {node_id} was already started by this harness")
+        if self.topology is None:
+            host, port = "127.0.0.1", free_port_base(2 * self.cfg.shards + 2, seed=self.seed * 1000 + node_id)
+        else:
+            host, port = self.topology.add_node(node_id), NETNS_PORT
+        data = self.data_dir / f"joined-{node_id}"
         args = python_module_args("kvps.cli", "node", "join", "--seed", self.endpoints[0],
-                                  "--port", str(port), "--data-dir", str(self.data_dir / f"joined-{port}"))
-        proc = spawn(args, self.data_dir / f"joined-{port}" / "node.log", new_session=True,
-                     env={**self.env, "KVPS_TOKEN": self.token})
-        self.joined.append(proc)
+                                  "--host", host, "--port", str(port), "--data-dir", str(data))
+        try:
+            proc = spawn(self.node_command(node_id, args), data / "node.log", new_session=True,
+                         env={**self.env, "KVPS_TOKEN": self.token})
+        except BaseException:
+            if self.topology is not None:
+                self.topology.remove_node(node_id)
+            raise
+        self.joined[node_id] = proc
         return proc
+
+    def release_node(self, node_id: int) -> None:
+        """Stop a joined node's process (if it still runs) and remove its namespace."""
+        proc = self.joined.pop(node_id, None)
+        if proc is not None:
+            stop_process(proc, timeout=10.0, group=True)
+        if self.topology is not None:
+            self.topology.remove_node(node_id)
 
     def admin_post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         import json

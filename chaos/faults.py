@@ -11,23 +11,21 @@ run only in network-namespace mode (``NETNS_ONLY``).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import shutil
 import signal
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvps.local import wait_until
-from kvps.process import stop_process
 
+from kvps_chaos import elastic
 from kvps_chaos.cluster import ChaosCluster
 
-__all__ = ["ALL_FAULTS", "FaultContext", "FaultRecord", "LOOPBACK_ONLY", "NETNS_ONLY", "run_schedule"]
+__all__ = ["ALL_FAULTS", "FaultContext", "FaultRecord", "NETNS_ONLY", "run_schedule"]
 
 
 @dataclass
@@ -229,57 +227,34 @@ async def _wipe_replica(ctx: FaultContext, rec: FaultRecord) -> None:
 
 
 async def _membership(ctx: FaultContext, rec: FaultRecord) -> None:
-    """A node joins mid-run (``kvps node join``), replicas move onto it one at a time, then it is
-    drained (its replicas move back) and removed; its process exits by itself. Both halves in one
-    fault, so the placement checks after the run see the initial nodes again."""
+    """A node joins mid-run (``kvps node join``; in namespace mode in a namespace of its own, added
+    now), replicas move onto it one at a time, then it is drained (its replicas move back) and
+    removed; its process exits by itself. Both halves in one fault, so the placement checks after
+    the run see the initial nodes again."""
     cluster = ctx.cluster
-    node_id = len(_meta(cluster)["nodes"])
-    rec.node = node_id
+    initial = [n.id for n in cluster.cfg.nodes]
+    view = await asyncio.to_thread(elastic.meta, cluster)
+    if view is None:
+        raise RuntimeError("no node answered GET /v1/meta")
+    node_id = rec.node = len(view["nodes"])  # ids are never reused
     started = time.monotonic()
     rec.injected()
-    proc = await asyncio.to_thread(cluster.join_node)
+    proc = await asyncio.to_thread(cluster.join_node, node_id)
     try:
-        await asyncio.to_thread(wait_until, lambda: _settled(cluster, with_node=node_id), 120,
-                                f"replicas to spread onto node {node_id}", 0.2)
-        meta = _meta(cluster)
-        rec.detail["replicas_on_joined"] = sum(node_id in s["nodes"] for s in meta["assignment"]["shards"])
+        grown = await asyncio.to_thread(wait_until, lambda: elastic.settled(cluster, [*initial, node_id]),
+                                        120, f"replicas to spread onto node {node_id}", 0.2)
+        rec.detail["replicas_on_joined"] = elastic.loads(grown)[node_id]
         rec.detail["grow_s"] = round(time.monotonic() - started, 2)
         drained = time.monotonic()
         await asyncio.to_thread(cluster.admin_post, f"/v1/nodes/{node_id}/drain", {})
-        await asyncio.to_thread(wait_until, lambda: _settled(cluster, removed=node_id), 120,
-                                f"node {node_id} to be drained and removed", 0.2)
+        shrunk = await asyncio.to_thread(wait_until, lambda: elastic.settled(cluster, initial), 120,
+                                         f"node {node_id} to be drained and removed", 0.2)
         await asyncio.to_thread(wait_until, lambda: proc.poll() is not None, 30,
                                 f"node {node_id}'s process to exit", 0.1)
         rec.detail["shrink_s"] = round(time.monotonic() - drained, 2)
-        rec.detail["moves_done"] = _meta(cluster)["rebalance"]["moves_done"]
+        rec.detail["moves_done"] = shrunk["rebalance"]["moves_done"]
     finally:
-        if proc.poll() is None:
-            await asyncio.to_thread(stop_process, proc, timeout=10.0, group=True)
-
-
-def _meta(cluster: ChaosCluster) -> dict[str, Any]:
-    with urllib.request.urlopen(cluster.endpoints[0] + "/v1/meta", timeout=5) as r:
-        return json.loads(r.read())
-
-
-def _settled(cluster: ChaosCluster, *, with_node: int | None = None, removed: int | None = None) -> bool:
-    try:
-        meta = _meta(cluster)
-    except (OSError, ValueError):
-        return False
-    states = {n["id"]: n["state"] for n in meta["nodes"]}
-    if meta["rebalance"]["moving"] is not None or "draining" in states.values():
-        return False
-    if with_node is not None and states.get(with_node) != "active":
-        return False
-    if removed is not None and states.get(removed) != "removed":
-        return False
-    active = [n for n, st in states.items() if st == "active"]
-    load = {n: 0 for n in active}
-    for s in meta["assignment"]["shards"]:
-        for n in s["nodes"]:
-            load[n] = load.get(n, 0) + 1
-    return max(load.values()) - min(load.values()) <= 1 and set(load) == set(active)
+        await asyncio.to_thread(cluster.release_node, node_id)
 
 
 def _dead(pid: int) -> bool:
@@ -304,9 +279,6 @@ ALL_FAULTS: dict[str, Callable[[FaultContext, FaultRecord], Awaitable[None]]] = 
     "membership": _membership,
 }
 NETNS_ONLY = frozenset({"partition-leader", "isolate-follower", "packet-loss", "delay"})
-# A joining node needs its own address; in namespace mode that is a namespace the topology does
-# not have yet, so node joins run in loopback mode only for now.
-LOOPBACK_ONLY = frozenset({"membership"})
 
 
 async def run_schedule(ctx: FaultContext, kinds: list[str], deadline: float,

@@ -7,6 +7,7 @@ network namespace, and no packet can leave the machine)::
        |-- veth --   node namespace n0: eth0 10.250.0.1/24   (kvps node 0 and its replicas)
        |-- veth --   node namespace n1: eth0 10.250.0.2/24
        ...
+       |-- veth --   node namespace n3: eth0 10.250.0.4/24   (added mid-run: a node that joins)
 
 Faults are nftables rules inside a node's namespace (table ``inet kvpschaos``: chains ``input`` and
 ``output``), so they touch nothing outside the run. Healing flushes both chains (one fault at a
@@ -124,7 +125,29 @@ class Topology:
         _run(["ip", "netns", "add", name])
         self.created.append(name)
 
+    def add_node(self, n: int) -> str:
+        """A namespace for a node that joins mid-run (veth on the hub's bridge, nftables table);
+        its address. Undone by ``remove_node`` (and by ``destroy``)."""
+        if self.ns(n) in self.created:
+            raise RuntimeError(f"node {n} already has a namespace ({self.ns(n)})")
+        try:
+            self._add_node(n)
+        except BaseException:
+            self.remove_node(n)
+            raise
+        return self.address(n)
+
+    def remove_node(self, n: int) -> None:
+        """Delete a node's namespace; its veth pair goes with it. The caller stops the node's
+        processes first (a namespace lives on while a process is inside it)."""
+        ns = self.ns(n)
+        if ns in self.created:
+            _run(["ip", "netns", "del", ns], check=False)
+            self.created.remove(ns)
+
     def _add_node(self, n: int) -> None:
+        if not 0 <= n < 253:
+            raise ValueError(f"node {n}: a /24 has addresses for nodes 0-252 only")
         ns = self.ns(n)
         self._add_ns(ns)
         # Both ends are created directly inside their namespaces: nothing appears on the host.

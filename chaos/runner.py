@@ -24,7 +24,7 @@ from kvps.process import spawn, stop_process
 
 from kvps_chaos import netns
 from kvps_chaos.cluster import ChaosCluster
-from kvps_chaos.faults import ALL_FAULTS, LOOPBACK_ONLY, NETNS_ONLY, FaultContext, FaultRecord, run_schedule
+from kvps_chaos.faults import ALL_FAULTS, NETNS_ONLY, FaultContext, FaultRecord, run_schedule
 from kvps_chaos.progress import Progress
 from kvps_chaos.report import build_report, write_report
 from kvps_chaos.workloads import Workloads
@@ -97,8 +97,6 @@ def plan_faults(opts: ChaosOptions, mode: str) -> tuple[list[str], dict[str, str
         raise ValueError(f"unknown fault(s): {', '.join(unknown)}; known: {', '.join(ALL_FAULTS)}")
     not_run = {f: "needs network-namespace mode (nftables / transparent proxy)"
                for f in wanted if f in NETNS_ONLY and mode != "netns"}
-    not_run |= {f: "loopback mode only (a joining node would need a namespace of its own)"
-                for f in wanted if f in LOOPBACK_ONLY and mode == "netns"}
     return [f for f in wanted if f not in not_run], not_run
 
 

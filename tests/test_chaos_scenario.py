@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from kvps_chaos.faults import ALL_FAULTS, LOOPBACK_ONLY, NETNS_ONLY
+from kvps_chaos.faults import ALL_FAULTS, NETNS_ONLY
 from kvps_chaos.runner import ChaosOptions, run_chaos
 
 pytestmark = pytest.mark.cluster
@@ -31,9 +31,9 @@ def test_chaos_ci_scenario_every_fault_kind_nothing_lost(tmp_path):
     print(f"chaos CI scenario: seed {SEED}, mode {report['mode']}, faults {report['faults_by_kind']}")
     assert report["ok"], _explain(report)
     # Every fault kind the environment allows ran at least once; only packet-level faults may be
-    # missing, and only when network namespaces are unavailable (node joins: only when they are).
+    # missing, and only when network namespaces are unavailable.
     assert set(report["faults_by_kind"]) == set(report["faults_requested"]), _explain(report)
-    assert set(report["faults_not_run"]) <= (LOOPBACK_ONLY if report["mode"] == "netns" else NETNS_ONLY)
+    assert set(report["faults_not_run"]) <= (set() if report["mode"] == "netns" else NETNS_ONLY)
     assert set(report["faults_requested"]) | set(report["faults_not_run"]) == set(ALL_FAULTS)
     assert report["counter"]["acked"] > 100 and report["linearizability"]["ops"] > 100
     assert report["counter"]["lost"] == 0 and report["counter"]["applied_twice"] == 0
