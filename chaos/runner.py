@@ -11,7 +11,6 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from kvps.errors import KvpsError
 from kvps.local import wait_until
 from kvps.process import spawn, stop_process
 
-from kvps_chaos import netns
+from kvps_chaos import netns, training
 from kvps_chaos.cluster import ChaosCluster
 from kvps_chaos.faults import ALL_FAULTS, NETNS_ONLY, FaultContext, FaultRecord, run_schedule
 from kvps_chaos.progress import Progress
@@ -211,10 +210,9 @@ def _start_trainers(cluster: ChaosCluster, opts: ChaosOptions) -> list[subproces
     for rank in range(opts.train_workers):
         path = cluster.data_dir.parent / f"train-{rank}.jsonl"
         path.unlink(missing_ok=True)
-        args = [sys.executable, "-m", "kvps_chaos.training", "--endpoints", ",".join(cluster.endpoints),
-                "--token-file", str(cluster.data_dir / "token"), "--rank", str(rank),
-                "--workers", str(opts.train_workers), "--seed", str(opts.seed), "--out", str(path),
-                "--op-timeout", str(opts.op_timeout)]
+        args = training.command(cluster.endpoints, str(cluster.data_dir / "token"), rank=rank,
+                                workers=opts.train_workers, seed=opts.seed, out=str(path),
+                                op_timeout=opts.op_timeout)
         procs.append(spawn(args, cluster.data_dir.parent / f"train-{rank}.log"))
     return procs
 

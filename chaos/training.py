@@ -4,11 +4,17 @@ Each worker wraps its model in ``kvps_client.torch.PSModule``: every step pulls 
 the module, runs forward and backward with torch on a minibatch, and pushes the gradients (the shard
 leaders apply SGD). The data is a seeded synthetic classification task (labels from a fixed random
 "teacher"), so the loss must fall whatever faults happen. Each step appends one JSON line to the
-worker's log: times, outcome, minibatch loss, the version the push returned and, every few steps,
-the loss on the worker's whole data shard. SIGTERM ends the worker after the current step.
+worker's log: times, outcome, minibatch loss, the version the push returned, the worker's clock
+step and, every few steps, the loss on the worker's whole data shard. SIGTERM ends the worker after
+the current step (it leaves the job's clock).
+
+Asynchronous by default; ``--staleness S`` runs bounded staleness (0: synchronous) on the server's
+clocks (job ``--job``, lease ``--lease-s``), ``--wait-workers N`` makes the first step wait until N
+workers are live. A worker started later joins the running job (``StepClock.start``). Ranks past
+``--workers`` train on the data shard of ``rank % workers``.
 
     python -m kvps_chaos.training --endpoints URL,... --token-file F --rank 0 --workers 2 \
-        --seed 7 --out train-0.jsonl
+        --seed 7 --out train-0.jsonl [--staleness 0 --lease-s 4 --wait-workers 2]
 """
 from __future__ import annotations
 
@@ -19,12 +25,25 @@ import signal
 import sys
 import time
 
-__all__ = ["PREFIX", "main"]
+__all__ = ["PREFIX", "command", "main"]
 
 FEATURES, HIDDEN, CLASSES, ROWS = 32, 64, 8, 4096
 PREFIX = "train/"   # keys: train/0.weight, train/0.bias, train/2.weight, train/2.bias
 LR = 0.2
 EVAL_EVERY = 10
+
+
+def command(endpoints: list[str], token_file: str, *, rank: int, workers: int, seed: int, out: str,
+            **options: object) -> list[str]:
+    """The argv of one worker process; ``options`` are the other flags (``op_timeout=15`` for
+    ``--op-timeout 15``; ``None`` leaves a flag out)."""
+    args = [sys.executable, "-m", "kvps_chaos.training", "--endpoints", ",".join(endpoints),
+            "--token-file", token_file, "--rank", str(rank), "--workers", str(workers),
+            "--seed", str(seed), "--out", out]
+    for name, value in options.items():
+        if value is not None:
+            args += ["--" + name.replace("_", "-"), str(value)]
+    return args
 
 
 def _data(seed: int):
@@ -53,7 +72,8 @@ async def train(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
     torch.set_num_threads(1)  # two cores shared by a whole cluster: one thread per worker
     X, y = _data(args.seed)
-    part = slice(args.rank * ROWS // args.workers, (args.rank + 1) * ROWS // args.workers)
+    shard = args.rank % args.workers
+    part = slice(shard * ROWS // args.workers, (shard + 1) * ROWS // args.workers)
     X, y = X[part], y[part]
     gen = torch.Generator().manual_seed(args.seed * 31 + args.rank)
     model = _model(args.seed)
@@ -62,7 +82,8 @@ async def train(args: argparse.Namespace, stop: asyncio.Event) -> None:
     async with kc.Client(args.endpoints.split(","), token=token, timeout=args.op_timeout,
                          request_timeout=2.0, seed=args.seed * 17 + args.rank,
                          client_id=f"train{args.rank}-{args.seed}") as ps:
-        pm = PSModule(model, ps, prefix=PREFIX, optimizer=kc.SGD(lr=LR))
+        pm = PSModule(model, ps, prefix=PREFIX, optimizer=kc.SGD(lr=LR), max_staleness=args.staleness,
+                      job=args.job, lease_s=args.lease_s, workers=args.wait_workers or None)
         step = 0
         while not stop.is_set():
             rec: dict = {"step": step, "t0": time.monotonic()}
@@ -73,7 +94,8 @@ async def train(args: argparse.Namespace, stop: asyncio.Event) -> None:
                 loss = F.cross_entropy(model(X[idx]), y[idx])
                 loss.backward()
                 versions = await pm.push()
-                rec.update(ok=True, loss=loss.item(), version=max(versions.values()))
+                rec.update(ok=True, loss=loss.item(), version=max(versions.values()),
+                           clock=pm.clock.step if pm.clock is not None else None)
                 if step % EVAL_EVERY == 0:
                     with torch.no_grad():
                         rec["eval"] = float(F.cross_entropy(model(X), y))
@@ -96,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--op-timeout", type=float, default=20.0)
     p.add_argument("--pause", type=float, default=0.02)
+    p.add_argument("--staleness", type=int, default=None, help="bounded staleness; 0: synchronous")
+    p.add_argument("--job", default="train")
+    p.add_argument("--lease-s", type=float, default=10.0)
+    p.add_argument("--wait-workers", type=int, default=0)
     args = p.parse_args(argv)
 
     async def run() -> None:
