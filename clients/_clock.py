@@ -63,10 +63,15 @@ class StepClock:
         return self.max_staleness is not None
 
     async def start(self) -> None:
-        """Register at step 0 (or the current step) and, with ``workers``, wait until that many
-        workers of the job are live: otherwise the first worker up would run ahead alone."""
+        """Register and, with ``workers``, wait until that many workers of the job are live:
+        otherwise the first worker up would run ahead alone. A worker that joins a running job
+        registers at the slowest live worker's step when that is ahead of its own: from step 0 it
+        would hold every other worker back until it had replayed the steps it missed."""
         if not self.waits:
             return
+        others = [s for w, s in (await self.client.clocks(self.job)).items() if w != self.worker]
+        if others and min(others) > self.step:
+            self.step = min(others)
         await self._report()
         if self.workers is None:
             return

@@ -172,3 +172,26 @@ def test_a_waiting_worker_renews_its_lease_and_proceeds_when_the_slow_one_expire
     assert fake.now >= 3.0 and fast.polls > 10
     renewals = [t for t in fake.ticks if t[0] == "fast" and t[1] == 1]
     assert len(renewals) >= 2  # it renewed its own lease while it waited (lease 3 s, every ~1 s)
+
+
+def test_a_worker_joining_a_running_job_starts_at_the_slowest_live_step():
+    fake = FakeClocks()
+
+    async def main():
+        a = kc.StepClock(fake, "j", "a", max_staleness=0, lease_s=5.0)
+        b = kc.StepClock(fake, "j", "b", max_staleness=0, lease_s=5.0)
+        await a.start()
+        await b.start()
+        for _ in range(7):
+            await a.tick()
+        for _ in range(6):
+            await b.tick()
+        late = kc.StepClock(fake, "j", "late", max_staleness=0, lease_s=5.0)
+        await late.start()
+        return b, late
+
+    b, late = asyncio.run(main())
+    assert late.step == 6 and ("late", 6, 5.0) in fake.ticks and ("late", 0, 5.0) not in fake.ticks
+    live = fake.table.live("j", fake.now)
+    assert late.may_start(live)  # it takes part in the next barrier ...
+    assert b.may_start(live)     # ... and holds nobody back (registered at 0, b would wait for it)
