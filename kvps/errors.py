@@ -14,7 +14,8 @@
     │   ├── ShapeMismatch     wrong shape or dtype for the key (``expected``, ``actual``)
     │   ├── Unauthorized      missing or wrong token
     │   ├── InvalidRequest    malformed request, bad argument, NaN/Inf gradient, ...
-    │   │   └── RequestTooLarge  body over the server's cap (HTTP 413)
+    │   │   ├── RequestTooLarge  body over the server's cap (HTTP 413)
+    │   │   └── NotDrainable     the node runs a metadata replica, which cannot move (HTTP 409)
     │   └── PushExpired       a retried push id older than the server's window (it *was* applied)
     ├── CodecError            corrupt or unknown-format payload
     └── ConfigError           invalid configuration (one message per field)
@@ -35,6 +36,7 @@ __all__ = [
     "KeyNotFound",
     "KvpsError",
     "NoQuorum",
+    "NotDrainable",
     "NotFound",
     "NotLeader",
     "Overloaded",
@@ -136,6 +138,13 @@ class RequestTooLarge(InvalidRequest):
     http_status = 413
 
 
+class NotDrainable(InvalidRequest):
+    """``fields['node']`` runs a replica of the metadata group (``fields['meta_nodes']``), and
+    those replicas do not move: draining it would take a member from that group for good."""
+
+    http_status = 409
+
+
 class PushExpired(RejectedError):
     http_status = 410
 
@@ -153,7 +162,7 @@ _BY_NAME: dict[str, type[KvpsError]] = {
     for cls in (
         KvpsError, RetryableError, Unavailable, Timeout, NotLeader, NoQuorum, Overloaded,
         RejectedError, VersionConflict, KeyNotFound, KeyExists, ShapeMismatch, Unauthorized,
-        InvalidRequest, RequestTooLarge, PushExpired, CodecError, ConfigError,
+        InvalidRequest, RequestTooLarge, NotDrainable, PushExpired, CodecError, ConfigError,
     )
 }
 

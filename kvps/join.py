@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvps.errors import KvpsError
+from kvps.errors import KvpsError, error_from_dict
 
 __all__ = ["main"]
 
@@ -37,12 +37,12 @@ def _request(method: str, url: str, token: str, body: dict | None = None, timeou
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
+    except urllib.error.HTTPError as exc:  # the server's typed error, with the URL in front
         try:
-            message = json.loads(exc.read()).get("message", str(exc))
+            error = error_from_dict(json.loads(exc.read()))
         except ValueError:
-            message = str(exc)
-        raise KvpsError(f"{method} {url}: {message}") from exc
+            error = KvpsError(str(exc))
+        raise type(error)(f"{method} {url}: {error.message}", **error.fields) from exc
     except (OSError, ValueError) as exc:
         raise KvpsError(f"cannot reach {url}: {exc}") from exc
 
@@ -115,7 +115,8 @@ def main(argv: list[str]) -> int:
     try:
         return join(args) if args.action == "join" else drain(args)
     except KvpsError as exc:
-        print(f"kvps node {args.action}: {' '.join(exc.message.split())[:500]}", file=sys.stderr)
+        print(f"kvps node {args.action}: {type(exc).__name__}: {' '.join(exc.message.split())[:600]}",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

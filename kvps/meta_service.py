@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvps.config import ClusterConfig
-from kvps.errors import InvalidRequest, Unavailable, VersionConflict
+from kvps.errors import InvalidRequest, NotDrainable, Unavailable, VersionConflict
 from kvps.meta import MetaState, meta_address
 from kvps.raft import bridge
 from kvps.raft.group import ShardGroup
@@ -276,8 +276,12 @@ class NodeMembership:
     async def _drain(self, node_id: int) -> dict[str, Any]:
         assert self.meta is not None
         if node_id in self.meta_ids:
-            raise InvalidRequest(f"node {node_id} runs a metadata replica and cannot be drained "
-                                 f"(nodes {self.meta_ids} do)", field="id")
+            raise NotDrainable(
+                f"node {node_id} cannot be drained: it runs a replica of the metadata Raft group "
+                f"(nodes {', '.join(map(str, self.meta_ids))} do), and those replicas do not move "
+                f"to other nodes. To retire its host, restart node {node_id} on a new machine with "
+                f"the same host address, or with a cluster.toml that points its host at the new "
+                f"address (deploy/README.md)", node=node_id, meta_nodes=self.meta_ids)
         state = self.meta.state()
         if not 0 <= node_id < len(state.nodes):
             raise InvalidRequest(f"no node {node_id}", field="id")

@@ -166,7 +166,8 @@ ADMIN_PATHS: dict[str, dict[str, Any]] = {
         "parameters": [{"name": "id", "in": "path", "required": True, "schema": _int}],
         "responses": {"200": _json({"type": "object", "required": ["id", "state"],
                                     "properties": {"id": _int, "state": _str}}),
-                      "400": _json(ERROR), "401": _json(ERROR)}}},
+                      "400": _json(ERROR), "401": _json(ERROR),
+                      "409": _json(ERROR, "NotDrainable: the node runs a metadata replica")}}},
     "/v1/moves": {"post": {
         "summary": "Queue one replica move (the rebalancer runs it; 503 while another move runs)",
         "security": [{"bearer": []}],

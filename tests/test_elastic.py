@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
+import urllib.error
+import urllib.request
 
 import pytest
 
 from conftest import dump_logs
 from kvps.config import RaftConfig, ServerConfig
+from kvps.process import python_module_args
 from kvps_chaos.cluster import ChaosCluster
-from kvps_chaos.elastic import GrowShrink, grow_and_shrink, print_logs
+from kvps_chaos.elastic import GrowShrink, grow_and_shrink, meta, print_logs
 
 pytestmark = pytest.mark.cluster
 
@@ -39,3 +44,24 @@ def run_grow_and_shrink(cluster: ChaosCluster) -> GrowShrink:
 def test_grow_3_to_5_then_shrink_to_3_while_pushes_stream(tmp_path):
     run_grow_and_shrink(ChaosCluster(tmp_path / "cluster", nodes=3, shards=4, raft=RaftConfig(),
                                      server=ServerConfig(), seed=SEED))
+
+
+def test_draining_a_metadata_node_is_refused_with_a_typed_error(cluster_factory):
+    """Nodes 0-2 run the metadata group, whose replicas do not move: a drain is refused up front
+    (``NotDrainable``, HTTP 409) and nothing changes, instead of a drain that never finishes."""
+    cluster = cluster_factory(nodes=3, shards=1).start(timeout=120)
+    cli = subprocess.run(python_module_args("kvps.cli", "node", "drain", "0", "--endpoint", cluster.endpoints[2],
+                                            "--timeout", "30"),
+                         env={**os.environ, "KVPS_TOKEN": cluster.token}, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert cli.returncode == 1, cli
+    assert "kvps node drain: NotDrainable:" in cli.stderr and "metadata Raft group" in cli.stderr, cli.stderr
+    req = urllib.request.Request(cluster.endpoints[0] + "/v1/nodes/1/drain", data=b"{}", method="POST",
+                                 headers={"Authorization": f"Bearer {cluster.token}"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=10)
+    assert refused.value.code == 409
+    body = json.loads(refused.value.read())
+    assert body["error"] == "NotDrainable" and body["fields"] == {"node": 1, "meta_nodes": [0, 1, 2]}
+    m = meta(cluster)
+    assert [n["state"] for n in m["nodes"]] == ["active"] * 3 and m["rebalance"]["moving"] is None
