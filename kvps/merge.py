@@ -6,15 +6,15 @@ merge: they apply the merged bytes, so only the leader's choice of order matters
 """
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from kvps.command import DenseDelta, Push, PushId, RowDelta
 
-__all__ = ["PushRequest", "content_digest", "is_finite", "merge", "request_bytes"]
+__all__ = ["PushRequest", "comparable_digests", "content_digest", "is_finite", "merge", "request_bytes"]
 
 _OVERHEAD = 64  # bytes per request/entry of framing, keys and ids: a rough but positive charge
 
@@ -48,17 +48,27 @@ def request_bytes(req: PushRequest) -> int:
     return total
 
 
+_XXH3_TAG = 2 << 32  # digests from XXH3 lie in [2**33, 2**33 + 2**32); CRC-32 ones in [1, 2**32]
+
+
 def content_digest(dense: Sequence[tuple[str, int, np.ndarray]],
                    rows: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> int:
-    """CRC-32 of what a push changes (keys, blocks, ids, gradient bytes), plus one so that it is
-    never 0 ("none"). Cheap (~3.6 GB/s); it guards against id reuse, not against an adversary."""
-    crc = zlib.crc32(repr([(k, int(b)) for k, b, _ in dense] + [k for k, _, _ in rows]).encode())
+    """Checksum of what a push changes (keys, blocks, ids, gradient bytes): the low 32 bits of
+    XXH3-64, tagged so that it is never 0 ("none") and never equal to a digest stored by an
+    older kvps (CRC-32 + 1). Cheap (~12 GB/s); it guards against id reuse, not an adversary."""
+    h = xxhash.xxh3_64(repr([(k, int(b)) for k, b, _ in dense] + [k for k, _, _ in rows]).encode())
     for _, _, g in dense:
-        crc = zlib.crc32(np.ascontiguousarray(g).view(np.uint8), crc)
+        h.update(np.ascontiguousarray(g).view(np.uint8))
     for _, ids, g in rows:
-        crc = zlib.crc32(np.ascontiguousarray(ids).view(np.uint8), crc)
-        crc = zlib.crc32(np.ascontiguousarray(g).view(np.uint8), crc)
-    return crc + 1
+        h.update(np.ascontiguousarray(ids).view(np.uint8))
+        h.update(np.ascontiguousarray(g).view(np.uint8))
+    return _XXH3_TAG | (h.intdigest() & 0xFFFFFFFF)
+
+
+def comparable_digests(a: int, b: int) -> bool:
+    """Whether two non-zero digests were computed the same way (an applied-table entry written
+    before an upgrade holds a CRC-32 digest, which says nothing about an XXH3 one)."""
+    return bool(a) and bool(b) and (a >= _XXH3_TAG) == (b >= _XXH3_TAG)
 
 
 def is_finite(req: PushRequest) -> bool:

@@ -35,7 +35,7 @@ from kvps.errors import (
     CodecError, InvalidRequest, KeyNotFound, KvpsError, NotLeader, Unavailable,
 )
 from kvps.history import BlockHistory
-from kvps.merge import PushRequest, is_finite, request_bytes
+from kvps.merge import PushRequest, comparable_digests, is_finite, request_bytes
 from kvps.metrics import ReplicaMetrics
 from kvps.raft import bridge, snapshot_file
 from kvps.raft import membership as raft_membership
@@ -580,7 +580,7 @@ class Replica:
             done = self._state.lookup_push(req.client, req.seq)
         if done is not None:
             stored = done.get("digest") if isinstance(done, dict) else None
-            if stored and req.digest and stored != req.digest:
+            if comparable_digests(stored or 0, req.digest) and stored != req.digest:
                 self.count_rejected("ReusedPushId")
                 log.warning("shard %d: push id %s/%d reused for different content (replayed or "
                             "forged); refused", self.shard, req.client, req.seq)

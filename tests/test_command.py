@@ -196,8 +196,22 @@ GOLDEN_PUSH = bytes.fromhex(
 )
 
 
+GOLDEN_PUSH_XXH3 = bytes.fromhex(
+    "4b565046010301005c0000000400000012bfd8217b2264656e7365223a5b5b2277222c312c315d5d2c226e6f77223a32"
+    "2e352c22707573686573223a5b5b2263222c372c362c5b2265222c2277225d5d5d2c22726f7773223a5b2265225d2c22"
+    "74797065223a2270757368227d2020200100010046581fd5080000000000000008000000000000000200000000000000"
+    "06000100b8402caa10000000000000001000000000000000020000000000000001000200b7f434710800000000000000"
+    "08000000000000000200000000000000010000000000000006000100ef6b448110000000000000001000000000000000"
+    "02000000000000000000003f000080bffdffffffffffffff04000000000000000000803f000000400100000000000000"
+    "0200000000000000"
+)
+
+
 def test_golden_push_bytes():
+    """Entries journaled before FLAG_XXH3 (CRC-32 sums) decode to the same command; what we
+    write now is pinned byte for byte."""
     cmd = Push(2.5, (PushId("c", 7, 6, ("e", "w")),), (DenseDelta("w", 1, np.float32([0.5, -1]), 1),),
                (RowDelta("e", np.int64([-3, 4]), np.float32([[1], [2]]), np.int64([1, 2])),))
     assert decode_command(GOLDEN_PUSH) == cmd
-    assert cmd.to_bytes() == GOLDEN_PUSH
+    assert decode_command(GOLDEN_PUSH_XXH3) == cmd
+    assert cmd.to_bytes() == GOLDEN_PUSH_XXH3

@@ -20,6 +20,7 @@ from hypothesis.extra import numpy as hnp
 
 from kvps.delta import frame
 from kvps.delta.frame import (
+    FLAG_XXH3,
     KIND_COMMAND,
     KIND_REQUEST,
     KIND_RESPONSE,
@@ -253,6 +254,25 @@ def test_hand_built_frame_in_the_documented_layout_decodes():
     assert got.arrays[0].tolist() == [[1.5, -2.0, 3.25]]
 
 
+def test_hand_built_xxh3_frame_in_the_documented_layout_decodes():
+    """FLAG_XXH3: every u32 sum is the low 32 bits of XXH3-64 of the same bytes as CRC-32's."""
+    import xxhash
+
+    def x32(b: bytes) -> int:
+        return xxhash.xxh3_64_intdigest(b) & 0xFFFFFFFF
+
+    meta = b'{"type":"set"}'
+    payload = np.array([[1.5, -2.0, 3.25]], dtype="<f4").tobytes()
+    descr = struct.pack("<BBBxIQQ", 1, 0, 2, x32(payload), 12, 12) + struct.pack("<QQ", 1, 3)
+    header = struct.pack("<4sBBHIII", b"KVPF", 1, 3, FLAG_XXH3, len(meta), 1, x32(meta + descr))
+    got = decode(header + meta + descr + payload)
+    assert got.arrays[0].tolist() == [[1.5, -2.0, 3.25]]
+    # the flag names the checksum: the same bytes labelled CRC-32 are refused, not misread
+    relabelled = header[:6] + struct.pack("<H", 0) + header[8:]
+    with pytest.raises(CodecError, match="checksum"):
+        decode(relabelled + meta + descr + payload)
+
+
 def test_unaligned_meta_from_another_encoder_decodes():
     """Padding is an encoder nicety, not a format rule: compact meta must still decode."""
     meta = b'{"a":1}'
@@ -319,13 +339,7 @@ def _expected(arr) -> np.ndarray:
     return np.asarray(arr.array if isinstance(arr, Bf16) else arr)
 
 
-@pytest.mark.parametrize("name", sorted(_golden_cases()))
-def test_golden_v1_frames_decode_exactly(name):
-    kind, meta, arrays, codec = _golden_cases()[name]
-    path = GOLDEN / f"frame_v1_{name}.bin"
-    if os.environ.get("KVPS_REGEN_GOLDEN") == "1":
-        GOLDEN.mkdir(exist_ok=True)
-        path.write_bytes(encode(kind, meta, arrays, codec=codec))
+def _check_golden(path, kind, meta, arrays) -> bytes:
     data = path.read_bytes()
     assert data[:6] == b"KVPF\x01" + bytes([kind])
     got = decode(data)
@@ -333,5 +347,26 @@ def test_golden_v1_frames_decode_exactly(name):
     assert len(got.arrays) == len(arrays)
     for arr, want in zip(got.arrays, arrays, strict=True):
         assert_bit_exact(arr, _expected(want))
+    return data
+
+
+@pytest.mark.parametrize("name", sorted(_golden_cases()))
+def test_golden_crc32_frames_still_decode_exactly(name):
+    """Frames written before FLAG_XXH3 (flags 0, CRC-32 sums: old Raft logs, snapshots) decode
+    bit-exactly forever. These files are never regenerated."""
+    kind, meta, arrays, _codec = _golden_cases()[name]
+    data = _check_golden(GOLDEN / f"frame_v1_{name}.bin", kind, meta, arrays)
+    assert struct.unpack_from("<H", data, 6)[0] == 0
+
+
+@pytest.mark.parametrize("name", sorted(_golden_cases()))
+def test_golden_xxh3_frames_decode_exactly_and_raw_ones_encode_identically(name):
+    kind, meta, arrays, codec = _golden_cases()[name]
+    path = GOLDEN / f"frame_v1_xxh3_{name}.bin"
+    if os.environ.get("KVPS_REGEN_GOLDEN") == "1":
+        GOLDEN.mkdir(exist_ok=True)
+        path.write_bytes(encode(kind, meta, arrays, codec=codec))
+    data = _check_golden(path, kind, meta, arrays)
+    assert struct.unpack_from("<H", data, 6)[0] == FLAG_XXH3
     if codec == "none":  # raw frames are fully pinned; lz4 output may vary across lz4 releases
         assert encode(kind, meta, arrays, codec=codec) == data

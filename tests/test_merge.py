@@ -108,3 +108,21 @@ def test_matches_a_dumb_reference(reqs, mode):
         for _, b, _ in r.dense:
             dense_counts[b] = dense_counts.get(b, 0) + 1
     assert {d.block: d.count for d in cmd.dense} == dense_counts
+
+
+def test_content_digest_tells_contents_apart_and_old_crc_digests_are_not_compared():
+    from kvps.merge import comparable_digests, content_digest
+
+    g = np.arange(6, dtype=np.float32)
+    base = content_digest((("w", 0, g),), ())
+    assert base == content_digest((("w", 0, g.copy()),), ())  # content, not identity
+    changed = g.copy()
+    changed[5] = np.nextafter(changed[5], np.float32(10))  # one bit of one gradient
+    others = [content_digest((("w", 0, changed),), ()), content_digest((("w", 1, g),), ()),
+              content_digest((("v", 0, g),), ()),
+              content_digest((), (("w", np.int64([0]), g.reshape(1, 6)),))]
+    assert base not in others and len(set(others)) == len(others)
+    assert comparable_digests(base, others[0])
+    crc_era = 0xDEADBEEF + 1  # what an applied table written by an older kvps holds
+    assert not comparable_digests(base, crc_era) and comparable_digests(crc_era, crc_era + 1)
+    assert not comparable_digests(base, 0)

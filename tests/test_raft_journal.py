@@ -11,6 +11,7 @@ import shutil
 import struct
 import tempfile
 import threading
+import zlib
 from pathlib import Path
 
 import pysyncobj.syncobj
@@ -63,6 +64,41 @@ def fill(j: RaftJournal, n: int, first: int = 1, term: int = 1, size: int = 100)
 
 
 # ---- format ---------------------------------------------------------------------------------------
+
+def test_version_1_journal_keeps_crc32_records_and_new_ones_get_xxh3(tmp_path, monkeypatch):
+    """A journal written before XXH3 (version 1, CRC-32 records) opens, appends and rewrites in
+    its own version; a new file is version 2. A record whose sum is computed the other way is a
+    torn tail, not a good record."""
+    old = tmp_path / "old" / "raft.journal"
+    old.parent.mkdir()
+    monkeypatch.setattr(journal_module, "VERSION", 1)
+    j = open_journal(old)
+    added = fill(j, 3)
+    j._destroy()
+    monkeypatch.undo()
+    assert struct.unpack_from("<H", old.read_bytes(), 8)[0] == 1
+    j = open_journal(old)
+    assert entries(j) == added
+    added += fill(j, 2, first=4)
+    j.deleteEntriesTo(2)  # drops the first two; the rewrite copies records: still version 1
+    j._destroy()
+    data = old.read_bytes()
+    assert struct.unpack_from("<H", data, 8)[0] == 1
+    crc, length, index, term = struct.unpack_from("<IIQQ", data, HEADER)
+    command = data[HEADER + RECORD:HEADER + RECORD + length]
+    assert crc == zlib.crc32(command, zlib.crc32(data[HEADER + 4:HEADER + RECORD]))
+    assert entries(open_journal(old)) == added[2:]
+
+    new = tmp_path / "raft.journal"
+    j = open_journal(new)
+    fill(j, 2)
+    j._destroy()
+    data = bytearray(new.read_bytes())
+    assert struct.unpack_from("<H", data, 8)[0] == 2
+    struct.pack_into("<H", data, 8, 1)  # relabel as version 1: the XXH3 sums no longer match
+    new.write_bytes(bytes(data))
+    assert entries(open_journal(new)) == []
+
 
 def test_round_trip_entries_and_layout(tmp_path):
     path = tmp_path / "raft.journal"

@@ -2,16 +2,23 @@
 
 Wire layout, all little-endian (format version 1)::
 
-    header   '<4sBBHIII'  magic b'KVPF', format version (1), kind (u8), flags (u16, 0),
+    header   '<4sBBHIII'  magic b'KVPF', format version (1), kind (u8), flags (u16),
                           meta_len (u32), n_arrays (u32),
-                          header_crc (u32: zlib.crc32 of the meta bytes + the descriptor bytes)
+                          header_sum (u32: checksum of the meta bytes + the descriptor bytes)
     meta     meta_len bytes of UTF-8 JSON, an object (cap 16 MiB); the encoder writes
              json.dumps(meta, sort_keys=True, separators=(",", ":"), allow_nan=False) followed by
              0-7 spaces so that the payload starts 8-byte aligned (JSON ignores trailing spaces)
     descr    n_arrays x ( '<BBB' dtype code, codec code, ndim ; 'x' pad ;
-                          '<IQQ' crc32 of the wire bytes, raw_size, wire_size ;
+                          '<IQQ' checksum of the wire bytes, raw_size, wire_size ;
                           ndim x '<Q' dims )          (cap 65536 arrays, ndim <= 32)
     payload  the wire bytes of each array, concatenated in order
+
+Flags: 0, or ``FLAG_XXH3`` (1). They name the checksum of every ``u32`` sum field: flags 0 is
+zlib's CRC-32 (every frame written before the flag existed: old logs, snapshots, golden files),
+``FLAG_XXH3`` the low 32 bits of XXH3-64 (what the encoder writes). XXH3 runs at ~12 GB/s here
+against CRC-32's ~3.5 GB/s, and a 1 MiB push is checksummed ~8 times between client, leader and
+followers. Both catch torn or corrupted buffers; neither is a defence against an adversary (the
+token and the cluster secret are).
 
 Dtype codes: 1 float32, 2 float64, 3 float16, 4 bfloat16, 5 int32, 6 int64, 7 uint8, 8 bool.
 bfloat16 has no numpy dtype: the caller passes the raw 2-byte words as ``Bf16(uint16_array)`` and
@@ -33,6 +40,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from kvps.delta import codec as _codec
 from kvps.errors import CodecError
@@ -40,6 +48,7 @@ from kvps.errors import CodecError
 __all__ = [
     "Bf16",
     "DEFAULT_MAX_RAW_BYTES",
+    "FLAG_XXH3",
     "FORMAT_VERSION",
     "Frame",
     "KIND_COMMAND",
@@ -66,6 +75,33 @@ MAX_META_BYTES = 16 * 2**20  # meta is small structured data; big things travel 
 MAX_ARRAYS = 65536
 MAX_NDIM = 32  # numpy's own limit (64 in numpy 2) is looser; 32 is plenty and bounds parsing
 _PAYLOAD_ALIGN = 8  # so the first array decodes as an aligned zero-copy view
+FLAG_XXH3 = 0x1  # the u32 sums are XXH3-64's low 32 bits (without it: CRC-32)
+_MASK32 = 0xFFFFFFFF
+
+
+def _xxh3_32(data, seed_parts: tuple = ()) -> int:
+    h = xxhash.xxh3_64()
+    for part in seed_parts:
+        h.update(part)
+    h.update(data)
+    return h.intdigest() & _MASK32
+
+
+def _crc32(data, seed_parts: tuple = ()) -> int:
+    crc = 0
+    for part in seed_parts:
+        crc = zlib.crc32(part, crc)
+    return zlib.crc32(data, crc)
+
+
+def _array_sum(flags: int):
+    """The per-array checksum function for frames with ``flags``."""
+    if flags & FLAG_XXH3:
+        return lambda wire: xxhash.xxh3_64_intdigest(wire) & _MASK32
+    return zlib.crc32
+
+
+_CHECKSUMS = {0: _crc32, FLAG_XXH3: _xxh3_32}
 
 _HEADER = struct.Struct("<4sBBHIII")
 _DESCR = struct.Struct("<BBBxIQQ")
@@ -158,18 +194,19 @@ def encode_parts(
         raise CodecError(f"{len(arrays)} arrays, cap {MAX_ARRAYS}")
     descr: list[bytes] = []
     wires: list[bytes | memoryview] = []
+    array_sum = _array_sum(FLAG_XXH3)
     for item, array_codec in zip(arrays, codecs):
         code, arr = _normalize(item)
         if arr.ndim > MAX_NDIM:
             raise CodecError(f"array has {arr.ndim} dims, cap {MAX_NDIM}")
         codec_code, wire = _codec.compress(arr, array_codec)
-        descr.append(_DESCR.pack(code, codec_code, arr.ndim, zlib.crc32(wire), arr.nbytes, len(wire)))
+        descr.append(_DESCR.pack(code, codec_code, arr.ndim, array_sum(wire), arr.nbytes, len(wire)))
         descr.extend(_DIM.pack(d) for d in arr.shape)
         wires.append(wire)
     descr_bytes = b"".join(descr)
     meta_raw = _meta_bytes(meta, len(descr_bytes))
-    crc = zlib.crc32(descr_bytes, zlib.crc32(meta_raw))
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, kind, 0, len(meta_raw), len(wires), crc)
+    header_sum = _xxh3_32(descr_bytes, (meta_raw,))
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, kind, FLAG_XXH3, len(meta_raw), len(wires), header_sum)
     return [header + meta_raw + descr_bytes, *wires]
 
 
@@ -235,8 +272,8 @@ def _check_descriptor(d: _Descr) -> None:
         raise CodecError(f"shape {d.shape} of {dtype} needs {count * dtype.itemsize} bytes, declared {d.raw_size}")
 
 
-def _decode_array(d: _Descr, wire: memoryview) -> np.ndarray:
-    if zlib.crc32(wire) != d.crc:
+def _decode_array(d: _Descr, wire: memoryview, array_sum) -> np.ndarray:
+    if array_sum(wire) != d.crc:
         raise CodecError("array checksum mismatch")
     dtype = _DTYPES[d.dtype_code]
     raw = _codec.decompress(d.codec_code, wire, d.raw_size, dtype.itemsize)
@@ -269,15 +306,15 @@ def _decode_meta(raw: memoryview) -> dict:
     return meta
 
 
-def _decode_v1(view: memoryview, kind: int, meta_len: int, n_arrays: int, header_crc: int,
-               max_raw_bytes: int) -> Frame:
+def _decode_v1(view: memoryview, kind: int, flags: int, meta_len: int, n_arrays: int,
+               header_crc: int, max_raw_bytes: int) -> Frame:
     meta_start = _HEADER.size
     if meta_len > MAX_META_BYTES or n_arrays > MAX_ARRAYS:
         raise CodecError(f"meta_len {meta_len} / n_arrays {n_arrays} over the cap")
     if meta_start + meta_len > len(view):
         raise CodecError("truncated meta")
     descrs, payload = _parse_descriptors(view, meta_start + meta_len, n_arrays)
-    if zlib.crc32(view[meta_start:payload]) != header_crc:
+    if _CHECKSUMS[flags](view[meta_start:payload]) != header_crc:
         raise CodecError("header checksum mismatch")
     for d in descrs:
         _check_descriptor(d)
@@ -288,8 +325,9 @@ def _decode_v1(view: memoryview, kind: int, meta_len: int, n_arrays: int, header
         raise CodecError("wire sizes do not add up to the payload length")
     meta = _decode_meta(view[meta_start : meta_start + meta_len])
     arrays = []
+    array_sum = _array_sum(flags)
     for d in descrs:
-        arrays.append(_decode_array(d, view[payload : payload + d.wire_size]))
+        arrays.append(_decode_array(d, view[payload : payload + d.wire_size], array_sum))
         payload += d.wire_size
     return Frame(kind, meta, tuple(arrays))
 
@@ -316,9 +354,9 @@ def decode(data, *, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES,
         raise CodecError(f"unsupported frame version {version}")
     if kind not in (_KINDS if kinds is None else kinds):
         raise CodecError(f"unexpected frame kind {kind}")
-    if flags:
+    if flags not in _CHECKSUMS:
         raise CodecError(f"unknown frame flags {flags:#x}")
-    return decoder(view, kind, meta_len, n_arrays, header_crc, max_raw_bytes)
+    return decoder(view, kind, flags, meta_len, n_arrays, header_crc, max_raw_bytes)
 
 
 def head_size(data) -> int:

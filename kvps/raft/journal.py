@@ -16,9 +16,13 @@ Files, next to each other in the replica's journal directory::
 
 Layout (little-endian)::
 
-    journal header  '<8sHHI'  magic b"KVPSRJNL", format version (1), flags (0), reserved (0)
-    record          '<IIQQ'   crc32 of everything after this field, command length, index, term;
-                              then the command bytes
+    journal header  '<8sHHI'  magic b"KVPSRJNL", format version (2; 1 is still read), flags (0),
+                              reserved (0)
+    record          '<IIQQ'   checksum of everything after this field, command length, index,
+                              term; then the command bytes. Version 2: the low 32 bits of XXH3-64
+                              (~4x cheaper than CRC-32 here, and every replica sums every entry);
+                              version 1: CRC-32. A file keeps its version for life: a rewrite
+                              copies records, so it writes the header it read.
     meta            '<8sHHII' magic b"KVPSRMET", format version (1), flags (0), crc32 of the body,
                               body length; body '<QQi' term, commit index, vote length (-1: no
                               vote), then the vote (the voted-for node id, UTF-8)
@@ -83,6 +87,7 @@ from pathlib import Path
 from typing import Any
 
 import pysyncobj.syncobj
+import xxhash
 from pysyncobj.journal import Journal
 
 from kvps.config import FSYNC_POLICIES
@@ -94,7 +99,9 @@ logger = logging.getLogger("kvps.raft")
 
 MAGIC = b"KVPSRJNL"
 META_MAGIC = b"KVPSRMET"
-VERSION = 1
+VERSION = 2  # the journal version new files get (the meta file stays at _META_VERSION)
+_JOURNAL_VERSIONS = (1, 2)
+_META_VERSION = 1
 _HEADER = struct.Struct("<8sHHI")
 _RECORD = struct.Struct("<IIQQ")  # crc, command length, index, term
 _CHECKED = struct.Struct("<IQQ")  # the record header fields the crc covers (then the command)
@@ -112,6 +119,15 @@ _fdatasync = os.fdatasync
 _fsync = os.fsync
 
 Entry = tuple[Any, int, int]  # (command bytes, index, term), pysyncobj's log entry shape
+
+
+def _record_sum(version: int, checked: bytes, command: Any) -> int:
+    """A record's checksum: over the checked header fields, then the command bytes."""
+    if version == 1:
+        return zlib.crc32(command, zlib.crc32(checked))
+    h = xxhash.xxh3_64(checked)
+    h.update(command)
+    return h.intdigest() & 0xFFFFFFFF
 
 
 def _exit_on_io_error(exc: OSError, what: str) -> None:
@@ -161,6 +177,7 @@ class RaftJournal(Journal):
         self._changes = 0  # journal changes made ...
         self._synced = 0  # ... and how many of them an fdatasync has covered
         self._fd = -1
+        self._version = VERSION  # of the file, once opened (an existing one keeps its own)
         for stale in (Path(f"{self._path}.tmp"), Path(f"{self._meta_path}.tmp")):
             if stale.exists():
                 logger.warning("raft journal: removing %s left by an interrupted rewrite", stale)
@@ -183,7 +200,7 @@ class RaftJournal(Journal):
 
     def add(self, command: Any, idx: int, term: int) -> None:
         checked = _CHECKED.pack(len(command), idx, term)
-        crc = zlib.crc32(command, zlib.crc32(checked))
+        crc = _record_sum(self._version, checked, command)
         with self._lock:
             self._write([_CRC.pack(crc) + checked, command], self._end - self._shift, "append")
             self._entries.append((command, idx, term))
@@ -420,7 +437,7 @@ class RaftJournal(Journal):
             if durable:  # the snapshot's rename, which this rewrite follows, reaches disk first
                 _fsync_dir(self._path.parent)
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            _pwrite_all(fd, [_HEADER.pack(MAGIC, VERSION, 0, 0)], 0)
+            _pwrite_all(fd, [_HEADER.pack(MAGIC, self._version, 0, 0)], 0)
             copied, rounds = start, 0
             while True:
                 with self._lock:
@@ -521,7 +538,7 @@ class RaftJournal(Journal):
         tmp = Path(f"{self._path}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _pwrite_all(fd, [_HEADER.pack(MAGIC, VERSION, 0, 0)], 0)
+            _pwrite_all(fd, [_HEADER.pack(MAGIC, self._version, 0, 0)], 0)
             if self._policy != "never":
                 _fsync(fd)
         finally:
@@ -542,9 +559,10 @@ class RaftJournal(Journal):
                         if head.startswith(b"PYSYNCOBJ") else "")
                 raise CodecError(f"raft journal {self._path}: not a kvps journal, magic "
                                  f"{bytes(head[:8])!r}{hint}", path=str(self._path))
-            if version != VERSION:
+            if version not in _JOURNAL_VERSIONS:
                 raise CodecError(f"raft journal {self._path}: unsupported format version {version}",
                                  path=str(self._path))
+            self._version = version
             size = os.fstat(f.fileno()).st_size
             offset = _HEADER.size
             while offset < size:
@@ -555,7 +573,7 @@ class RaftJournal(Journal):
                 if length > size - offset - _RECORD.size:
                     return offset, f"record of {length} bytes runs past the end of the file"
                 command = f.read(length)
-                if zlib.crc32(command, zlib.crc32(head[_CRC.size:])) != crc:
+                if _record_sum(version, head[_CRC.size:], command) != crc:
                     return offset, f"CRC mismatch in the record of entry {index}"
                 if self._entries:
                     _, last_index, last_term = self._entries[-1]
@@ -581,7 +599,7 @@ class RaftJournal(Journal):
         body = data[_META_HEADER.size:]
         if magic != META_MAGIC:
             raise CodecError(f"{where}: bad magic {magic!r}", path=str(self._meta_path))
-        if version != VERSION:
+        if version != _META_VERSION:
             raise CodecError(f"{where}: unsupported version {version}", path=str(self._meta_path))
         if len(body) != length or zlib.crc32(body) != crc or length < _META_BODY.size:
             raise CodecError(f"{where}: corrupt (length or CRC mismatch); the term and vote it held "
@@ -602,7 +620,7 @@ class RaftJournal(Journal):
         vote = None if voted_for is None else str(voted_for).encode()
         body = _META_BODY.pack(term, commit_index, -1 if vote is None else len(vote))
         body += vote or b""
-        data = _META_HEADER.pack(META_MAGIC, VERSION, 0, zlib.crc32(body), len(body)) + body
+        data = _META_HEADER.pack(META_MAGIC, _META_VERSION, 0, zlib.crc32(body), len(body)) + body
         tmp = Path(f"{self._meta_path}.tmp")
         durable = self._policy != "never"
         try:
