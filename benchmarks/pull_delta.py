@@ -37,7 +37,7 @@ async def dense(cluster: LocalCluster) -> dict:
     rng = np.random.default_rng(0)
     names = [f"m/{i}" for i in range(64)]
     weights = {n: (rng.standard_normal(MiB // 4) * 0.05).astype(np.float32) for n in names}
-    async with kc.Client(cluster.endpoints, token=cluster.token, seed=0) as inc, \
+    async with kc.Client(cluster.endpoints, token=cluster.token, seed=0, deltas=True) as inc, \
             kc.Client(cluster.endpoints, token=cluster.token, seed=1, deltas=False) as full:
         for n, w in weights.items():
             await inc.create(n, w, optimizer=kc.SGD(lr=1e-4))

@@ -68,7 +68,7 @@ class Client:
                  consistency: str = "leader", codec: str = "none",
                  client_id: str | None = None, transport: Transport | None = None,
                  retry: RetryPolicy = RetryPolicy(), seed: int | None = None,
-                 ssl: ssl_.SSLContext | str | None = None, deltas: bool = True,
+                 ssl: ssl_.SSLContext | str | None = None, deltas: bool | str = "auto",
                  push_codec: str = "raw", row_cache: bool = True,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         if endpoints is None:
@@ -81,7 +81,11 @@ class Client:
         self.request_timeout = request_timeout
         self.consistency = consistency
         self.codec = codec              # request bodies, and full blocks in pull replies
-        self.deltas = deltas            # ask for exact XOR deltas of blocks this client holds
+        if deltas not in (True, False, "auto"):
+            raise InvalidRequest("deltas must be True, False or 'auto'")
+        # Ask for exact XOR deltas of blocks this client holds. "auto": not from replicas on this
+        # host, where sending a block costs less CPU than XOR + shuffle + lz4 on both ends.
+        self.deltas = deltas
         self._lossy = LossyEncoder(push_codec) if push_codec != "raw" else None
         self._row_cache = row_cache     # hold pulled rows, pull only rows whose version changed
         self.client_id = client_id or uuid.uuid4().hex
@@ -149,6 +153,11 @@ class Client:
             except (KvpsError, ValueError) as exc:
                 last = exc if isinstance(exc, KvpsError) else Unavailable(str(exc))
         raise Unavailable(f"no endpoint answered with a cluster map: {last}")
+
+    def _deltas_for(self, shard: int) -> bool:
+        if self.deltas == "auto":
+            return not self.cluster_map.on_loopback(shard)
+        return bool(self.deltas)
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -401,8 +410,8 @@ class Client:
                     {"key": key, "blocks": blocks, "have": [cache.versions[b] for b in blocks],
                      "min_version": int(mv)})
         resps = await self._fan_out([
-            self._call(shard, "pull", {"dense": items, "consistency": consistency, "delta": self.deltas},
-                       consistency=consistency)
+            self._call(shard, "pull", {"dense": items, "consistency": consistency,
+                                       "delta": self._deltas_for(shard)}, consistency=consistency)
             for shard, items in per_shard.items()])
         for resp in resps:
             for entry in resp.meta["blocks"]:

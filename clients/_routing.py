@@ -1,9 +1,11 @@
 """The client's view of the cluster: which replicas hold each shard and which one leads."""
 from __future__ import annotations
 
+import ipaddress
 import random
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvps.errors import Unavailable
 
@@ -36,6 +38,10 @@ class ClusterMap:
         except (KeyError, TypeError, ValueError) as exc:
             raise Unavailable(f"malformed cluster map: {exc}") from exc
 
+    def on_loopback(self, shard: int) -> bool:
+        """Whether every replica of ``shard`` is on a loopback address (this host)."""
+        return bool(self.replicas[shard]) and all(is_loopback_url(u) for u in self.replicas[shard])
+
     def target(self, shard: int, *, any_replica: bool, attempt: int, rng: random.Random) -> str:
         """The URL to try next: the believed leader, else the replicas in turn."""
         replicas = self.replicas[shard]
@@ -48,3 +54,14 @@ class ClusterMap:
 
     def set_leader(self, shard: int, url: str | None) -> None:
         self.leaders[shard] = url
+
+
+def is_loopback_url(url: str) -> bool:
+    """``url``'s host is ``localhost`` or a loopback address (127.0.0.0/8, ::1)."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a DNS name: cannot tell without resolving it, so not loopback
+        return False

@@ -248,3 +248,41 @@ def test_a_replica_that_refused_the_connection_is_not_asked_again_next():
                 assert log.count(URLS[2]) <= 2 and all(a != b for a, b in zip(log, log[1:]) if a == URLS[2]), log
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("hosts, deltas, wanted", [
+    (["127.0.0.1:7101", "127.0.0.2:7101", "[::1]:7101"], "auto", False),  # this host: raw is cheaper
+    (["localhost:7101", "localhost:7102", "localhost:7103"], "auto", False),
+    (["10.0.0.1:7101", "127.0.0.1:7101", "127.0.0.1:7102"], "auto", True),  # one remote replica
+    (["ps-0.kvps:7101", "ps-1.kvps:7101", "ps-2.kvps:7101"], "auto", True),  # names: not resolved
+    (["127.0.0.1:7101", "127.0.0.1:7102", "127.0.0.1:7103"], True, True),
+    (["10.0.0.1:7101", "10.0.0.2:7101", "10.0.0.3:7101"], False, False),
+])
+def test_pulls_ask_for_xor_deltas_unless_every_replica_is_on_this_host(hosts, deltas, wanted):
+    urls = [f"http://{h}" for h in hosts]
+    cluster = {**CLUSTER, "shards": [{**CLUSTER["shards"][0], "leader_url": urls[0],
+                                      "replicas": [{"node": i, "data_url": u} for i, u in enumerate(urls)]}]}
+    asked: list[dict] = []
+
+    async def handler(method, url, body, headers):
+        if url.endswith("/v1/cluster"):
+            return 200, json.dumps(cluster).encode()
+        op = url.split("/v1/rpc/")[1]
+        req = frame.decode(body)
+        if op == "describe":
+            return 200, frame.encode(frame.KIND_RESPONSE, {"info": INFO})
+        asked.append(req.meta)
+        return 200, frame.encode(frame.KIND_RESPONSE, {"blocks": [
+            {"key": "w", "block": 0, "version": 1, "array": 0}]}, [np.zeros(4, np.float32)])
+
+    async def main():
+        async with make(handler, deltas=deltas) as ps:
+            await ps.pull(["w"])
+
+    asyncio.run(main())
+    assert [m["delta"] for m in asked] == [wanted]
+
+
+def test_deltas_setting_is_checked():
+    with pytest.raises(kc.InvalidRequest):
+        make(FakeShard(), deltas="sometimes")

@@ -19,6 +19,7 @@ def cluster(tmp_path_factory):
 
 
 def client(cluster, **kw) -> kc.Client:
+    kw.setdefault("deltas", True)  # the default, "auto", turns them off on loopback
     return kc.Client(cluster.endpoints, token=cluster.token, seed=0, **kw)
 
 

@@ -43,7 +43,8 @@ def pulls(endpoints: list[str], token: str, model: Model, repeats: int) -> dict:
             cases: dict[str, dict] = {}
 
             async def fresh_reader() -> kc.Client:
-                reader = kc.Client(endpoints, token=token, seed=22, timeout=60)
+                # deltas on, also on loopback (where "auto" leaves them off): B4 measures them
+                reader = kc.Client(endpoints, token=token, seed=22, timeout=60, deltas=True)
                 await reader.open()
                 for n in names:  # layouts are cached per client: not what we measure
                     await reader.describe(n)
