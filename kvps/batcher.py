@@ -125,7 +125,10 @@ class PushBatcher:
         while self._pending:
             req, n = self._pending[0]
             grows = _merged_growth(req, seen)
-            if batch and merged + grows > self._cfg.batch_bytes:
+            # A push whose blocks are all in the batch already adds only its id: it joins even
+            # past batch_bytes (one worker's push to a shard may exceed it alone: B1 sends 8 MiB),
+            # so k workers' pushes of the same blocks replicate as one entry, not k.
+            if batch and merged + grows > self._cfg.batch_bytes and grows > _id_bytes(req):
                 break
             batch.append(self._pending.pop(0))
             self._pending_bytes -= n
@@ -190,9 +193,13 @@ class PushBatcher:
         self._pending.clear()
 
 
+def _id_bytes(req: PushRequest) -> int:
+    return 96 + len(req.client)
+
+
 def _merged_growth(req: PushRequest, seen: set) -> int:
     """Bytes ``req`` adds to a merged command that already holds the blocks in ``seen``."""
-    grows = 96 + len(req.client)  # its push id
+    grows = _id_bytes(req)  # its push id
     grows += sum(64 + grad.nbytes for key, block, grad in req.dense if (key, block) not in seen)
     grows += sum(64 + ids.nbytes * 2 + grads.nbytes for _, ids, grads in req.rows)  # ids + counts
     return grows

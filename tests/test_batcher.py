@@ -174,6 +174,36 @@ def test_same_block_from_many_workers_merges_into_one_entry():
     assert len(merged.pushes) == 7 and len(merged.dense) == 1 and merged.dense[0].count == 7
 
 
+def test_pushes_of_blocks_already_in_a_batch_join_it_even_past_batch_bytes():
+    """B1's shape: one worker's push to a shard is bigger than batch_bytes on its own. Other
+    workers' pushes of the same blocks add only their ids and still merge into that entry; a
+    push that brings a new block does not."""
+    def big(client, seq, blocks=(0, 1, 2)):
+        return PushRequest(client, seq, seq, dense=tuple(("w", b, np.ones(256, np.float32)) for b in blocks))
+
+    async def main():
+        raft = FakeRaft()
+        b = make(raft, max_inflight_proposals=1, batch_bytes=2000)  # < one push of 3 blocks
+        first = asyncio.create_task(b.submit(push("a", 1)))
+        await until(lambda: len(raft.proposed) == 1)
+        rest = [asyncio.create_task(b.submit(big(c, 1))) for c in "bcd"]
+        rest.append(asyncio.create_task(b.submit(big("e", 1, blocks=(0, 1, 2, 3)))))
+        await asyncio.sleep(0)
+        raft.release(0)
+        await until(lambda: len(raft.proposed) == 2)
+        raft.release(1)
+        await until(lambda: len(raft.proposed) == 3)
+        raft.release(2)
+        await first
+        await asyncio.gather(*rest)
+        return raft.proposed[1:]
+
+    merged, alone = asyncio.run(main())
+    assert [p.client for p in merged.pushes] == ["b", "c", "d"]
+    assert [d.count for d in merged.dense] == [3, 3, 3]
+    assert [p.client for p in alone.pushes] == ["e"]
+
+
 def test_idle_leader_waits_one_merge_window():
     async def main():
         raft = FakeRaft()
