@@ -237,6 +237,19 @@ def test_slow_client_is_cut_off(cluster):
     assert b" 504 " in reply.split(b"\r\n")[0] and b"Timeout" in reply
 
 
+def test_body_cut_short_by_the_client_is_refused_and_the_replica_keeps_serving(cluster):
+    leader = wait_until(lambda: cluster.leader(0), 30, "a leader")
+    host, port = leader["data_url"].removeprefix("http://").split(":")
+    before = state_hash(leader["data_url"], cluster.token)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/rpc/push HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
+                  b"Authorization: Bearer " + cluster.token.encode() + b"\r\n\r\n" + b"\0" * 10)
+        s.shutdown(socket.SHUT_WR)  # EOF after 10 of the 1000 bytes
+        reply = s.recv(4096)
+    assert reply == b"" or b" 400 " in reply.split(b"\r\n")[0]
+    assert state_hash(leader["data_url"], cluster.token) == before  # serving, nothing changed
+
+
 def test_nonfinite_gradients_skipped_and_counted(cluster):
     async def main():
         async with client(cluster) as ps:
