@@ -21,7 +21,7 @@ pytestmark = pytest.mark.cluster
 
 SEED = int(os.environ.get("KVPS_WORKERS_SEED", "5"))
 JOB = "elastic-workers"
-LEASE = 6.0  # above the longest step on a loaded 2-core machine, or healthy workers expire too
+LEASE = 10.0  # the default: above the longest step on a loaded 2-core machine, or healthy workers expire too
 
 
 def ok_steps(path: Path) -> list[dict]:
