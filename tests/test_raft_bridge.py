@@ -139,7 +139,8 @@ def test_propose_through_a_real_single_replica_group(tmp_path):
         address = f"127.0.0.1:{s.getsockname()[1]}"
     applied: list[bytes] = []
 
-    def applier(data: bytes) -> Any:
+    def applier(data: bytes | memoryview) -> Any:
+        data = bytes(data)  # a view of the log entry
         applied.append(data)
         return InvalidRequest("domain error") if data == b"bad" else len(applied)
 

@@ -6,6 +6,7 @@ Three in-process groups on 127.0.0.1 with free ports; every wait is a condition 
 from __future__ import annotations
 
 import logging
+import pickle
 import struct
 import threading
 import time
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 from conftest import free_ports, wait_for
 from pysyncobj.config import FAIL_REASON
+from pysyncobj.syncobj import _COMMAND_TYPE
 
 from kvps.config import RaftConfig
 from kvps.errors import CodecError, InvalidRequest
@@ -37,7 +39,8 @@ class Machine:
         self.restores = 0
         self.lock = threading.Lock()
 
-    def apply(self, data: bytes) -> int:
+    def apply(self, data: bytes | memoryview) -> int:
+        data = bytes(data)  # the group hands over a view of the log entry
         if data == self.fail_on:
             raise RuntimeError("applier exploded")
         with self.lock:
@@ -183,6 +186,32 @@ def test_leader_stop_elects_new_leader_and_commits_resume(cluster):
     seq = cluster.wait_converged()
     assert [x for x in seq if x.startswith(b"after-")] == [f"after-{i}".encode() for i in range(5)]
     assert [x for x in seq if x.startswith(b"before-")] == [f"before-{i}".encode() for i in range(5)]
+
+
+def test_entries_pickled_by_an_older_kvps_still_apply_beside_new_ones(tmp_path):
+    """Before _ENTRY_PREFIX, propose() queued pickle.dumps((funcID, (data,)), protocol 5) with a
+    REGULAR type byte; journals may hold such entries. Both kinds apply, in log order, on every
+    replica, and again from the journal after a restart."""
+    c = Cluster(tmp_path)
+    try:
+        c.start_all()
+        c.propose(b"new-1")
+        leader = c.leader()
+        func_id = leader._methodToID[leader._getFuncName("apply_command")]
+        done = threading.Event()
+        leader._applyCommand(pickle.dumps((func_id, (b"old-2",)), protocol=5),
+                             lambda result, reason: done.set(), _COMMAND_TYPE.REGULAR)
+        assert done.wait(20)
+        c.propose(b"new-3")
+        want = [b"new-1", b"old-2", b"new-3"]
+        assert c.wait_converged() == want
+        follower = next(a for a, g in c.groups.items() if not g.is_leader())
+        c.stop(follower)
+        replayed = Machine()
+        c.start(follower, replayed)  # no compaction yet: every entry comes from its journal
+        assert c.wait_converged() == want and replayed.sequence() == want
+    finally:
+        c.stop_all()
 
 
 def test_restart_from_journal_and_snapshot_catches_up(tmp_path):

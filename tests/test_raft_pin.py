@@ -27,7 +27,7 @@ from pysyncobj.version import VERSION
 from kvps.config import RaftConfig
 from kvps.raft import group as group_module
 from kvps.raft import journal as journal_module
-from kvps.raft.group import COMMAND_TOO_LARGE, GROUP_STOPPED, syncobj_options
+from kvps.raft.group import COMMAND_TOO_LARGE, GROUP_STOPPED, ShardGroup, syncobj_options
 from kvps.raft.journal import RaftJournal
 from kvps.raft.transport import TransportStats, _PeerConnection, _Settings
 
@@ -155,9 +155,18 @@ def test_syncobj_methods_and_properties_we_use():
 
 
 def test_command_format_and_apply_order():
-    """propose() sends pickle.dumps((funcID, (data,)), protocol=5) with a REGULAR type byte."""
+    """propose() queues _ENTRY_PREFIX + data as is; ShardGroup overrides __doApplyCommand for it.
+    Entries pickled by an older kvps ((funcID, (data,)), protocol 5) still go to pysyncobj's."""
     apply = src(SyncObj._SyncObj__doApplyCommand)
     assert "command = pickle.loads(command[1:])" in apply and "funcID, args = command" in apply
+    # the override takes effect: pysyncobj calls it through the mangled name on self
+    assert "self.__doApplyCommand(entry[0])" in src(SyncObj._SyncObj__applyLogEntries)
+    assert "_SyncObj__doApplyCommand" in ShardGroup.__dict__
+    # a commandType of None queues the command untouched (our prefix carries the type byte)
+    queued = src(SyncObj._applyCommand)
+    assert "if commandType is None:" in queued and "put_nowait((command, callback))" in queued
+    assert group_module._ENTRY_PREFIX[0] == _COMMAND_TYPE.REGULAR
+    assert group_module._ENTRY_PREFIX[1] != pickle.PROTO[0]  # no pickle stream starts with it
     assert pysyncobj.pickle.loads(pickle.dumps((0, (b"x" * 100,)), protocol=5)) == (0, (b"x" * 100,))
     # apply_command computes its index as raftLastApplied + 1: lastApplied moves after the call.
     entries = src(SyncObj._SyncObj__applyLogEntries)

@@ -62,7 +62,7 @@ class Groups:
         group = ShardGroup(
             self_address=address, peers=peers, raft=RAFT, secret=secret, context=context,
             journal_dir=self.root / address.replace(":", "_"),
-            applier=lambda data: applied.append(data) or len(applied),
+            applier=lambda data: applied.append(bytes(data)) or len(applied),
             snapshot_state=lambda: b"", restore_state=lambda blob: None)
         self.groups[address] = group
         return group

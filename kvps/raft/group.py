@@ -2,10 +2,13 @@
 
 What pysyncobj 0.3.17 forces on us and how this class answers it (DESIGN section 4):
 
-* Replicated methods are numbered by sorted name and their arguments pickled: there is exactly one,
-  ``apply_command(data: bytes)``. Commands are submitted with ``propose()`` as protocol-5 pickles
-  through the semi-private ``_applyCommand`` (``@replicated`` would pickle with protocol 2, which
-  turns bytes into a ``_codecs.encode`` call and grows them 1.5x).
+* Replicated methods are numbered by sorted name and their arguments pickled, and applying an
+  entry slices off its type byte and unpickles it: four copies of every command on the leader
+  and two more on each follower. ``propose()`` therefore queues ``_ENTRY_PREFIX + data`` through
+  the semi-private ``_applyCommand`` (one copy), and ``_SyncObj__doApplyCommand`` is overridden
+  to hand such an entry to the applier as a memoryview (no copy). Entries pickled by an older
+  kvps (``(funcID, (data,))``, protocol 5, for the one replicated method ``apply_command``),
+  no-ops and membership changes go to pysyncobj's own code.
 * An exception raised while applying an entry is re-applied on every tick forever (pysyncobj
   raises before advancing lastApplied): ``apply_command`` never raises; it logs the error as
   critical with the entry's index and returns ``InvalidRequest`` as the entry's result.
@@ -54,7 +57,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import pickle
 import sys
 import threading
 import time
@@ -66,6 +68,10 @@ from pysyncobj import SyncObj, SyncObjConf, replicated
 from pysyncobj.config import FAIL_REASON, SERIALIZER_STATE
 from pysyncobj.node import TCPNode
 from pysyncobj.syncobj import _COMMAND_TYPE
+
+# A REGULAR entry whose next byte is 0xFF holds our command bytes as they are: no pickle stream
+# starts with 0xFF (protocol 2+ streams start with PROTO, 0x80), so older entries stay apart.
+_ENTRY_PREFIX = bytes((_COMMAND_TYPE.REGULAR, 0xFF))
 
 from kvps.config import RaftConfig
 from kvps.errors import InvalidRequest
@@ -118,10 +124,12 @@ class ShardGroup(SyncObj):
 
     ``snapshot_state()`` returns the state's bytes, a list of buffers, or a callable returning
     either (called on the compaction's writer thread: take a consistent view, encode later).
-    ``restore_state(data)`` gets a bytes-like view of the snapshot file's state section."""
+    ``restore_state(data)`` gets a bytes-like view of the snapshot file's state section.
+    ``applier(data)`` gets a read-only memoryview of the entry's command (bytes for an entry
+    pickled by an older kvps); it may keep views into it (the entry's bytes never change)."""
 
     def __init__(self, *, self_address: str, peers: Sequence[str], raft: RaftConfig, secret: bytes,
-                 context: str, journal_dir: Path, applier: Callable[[bytes], Any],
+                 context: str, journal_dir: Path, applier: Callable[[bytes | memoryview], Any],
                  snapshot_state: Callable[[], Any], restore_state: Callable[[memoryview], None],
                  on_role_change: Callable[[str], None] | None = None) -> None:
         raft.validate()
@@ -147,7 +155,6 @@ class ShardGroup(SyncObj):
         self._tokens = itertools.count()
         self._stopped = False
         self._tick_thread: threading.Thread | None = None
-        self._func_id: int | None = None
         self._dump_path = dump_path
         self._compaction: _Compaction | None = None  # the writer in flight, if any
         self._installs = 0  # snapshots installed from a leader (a running compaction is then stale)
@@ -175,12 +182,21 @@ class ShardGroup(SyncObj):
             super().__init__(self_address, [p for p in peers if p != self_address], conf,
                              transportClass=transport)
         self.addOnTickCallback(self._note_tick_thread)
-        self._func_id = self._methodToID[self._getFuncName("apply_command")]
 
     # -- the one replicated method ------------------------------------------------------------
 
     @replicated
     def apply_command(self, data: bytes) -> Any:
+        """Entries pickled by an older kvps; new ones arrive through ``_SyncObj__doApplyCommand``."""
+        return self._apply_entry(data)
+
+    def _SyncObj__doApplyCommand(self, command: bytes) -> Any:  # noqa: N802 (pysyncobj's name)
+        """pysyncobj's ``__doApplyCommand`` for our entries (see the module docstring)."""
+        if command[:2] == _ENTRY_PREFIX:
+            return self._apply_entry(memoryview(command)[2:])
+        return SyncObj._SyncObj__doApplyCommand(self, command)
+
+    def _apply_entry(self, data: bytes | memoryview) -> Any:
         index = self.raftLastApplied + 1  # pysyncobj advances lastApplied after we return
         self._applied_bytes += len(data)
         try:
@@ -205,8 +221,6 @@ class ShardGroup(SyncObj):
         if len(data) > self._raft.max_command_bytes:
             callback(None, COMMAND_TOO_LARGE)
             return
-        if not isinstance(data, bytes):
-            data = bytes(data)
         token = next(self._tokens)
         with self._pending_lock:
             stopped = self._stopped
@@ -215,9 +229,8 @@ class ShardGroup(SyncObj):
         if stopped:
             callback(None, GROUP_STOPPED)
             return
-        command = pickle.dumps((self._func_id, (data,)), protocol=5)
-        self._applyCommand(command, lambda result, reason: self._settle(token, result, reason),
-                           _COMMAND_TYPE.REGULAR)
+        command = b"".join((_ENTRY_PREFIX, data))  # queued as is: the type byte is in the prefix
+        self._applyCommand(command, lambda result, reason: self._settle(token, result, reason))
 
     def abandon_pending(self) -> int:
         """Answer every proposal still waiting with LEADER_CHANGED (outcome unknown).
