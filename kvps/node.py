@@ -36,7 +36,13 @@ __all__ = ["Node"]
 
 log = logging.getLogger("kvps.node")
 
+# Replica status polls: every POLL_PERIOD while anything is unsettled (a replica not answering,
+# no leader known, roles or leaders changed within SETTLE_SECONDS), else every
+# POLL_PERIOD_STABLE. Each poll is one HTTP request per replica; at 0.2 s that was ~120 requests/s
+# on a 3-node, 8-shard cluster, a few percent of two cores spent saying nothing changed.
 POLL_PERIOD = 0.2
+POLL_PERIOD_STABLE = 1.0
+SETTLE_SECONDS = 5.0
 RESTART_BACKOFF = (0.2, 5.0)
 
 # glibc returns every freed MB-sized buffer to the kernel (mmap threshold) and page-faults it
@@ -205,10 +211,25 @@ class Node:
         await asyncio.gather(*(one(rp) for rp in self.replicas.values()))
 
     async def _loop(self) -> None:
+        changed_at, last = time.monotonic(), None
         while not self._stopping:
             self._supervise_once()
             await self._poll_once()
-            await asyncio.sleep(POLL_PERIOD)
+            view = self._settled_view()
+            if view is None or view != last:
+                changed_at, last = time.monotonic(), view
+            stable = time.monotonic() - changed_at >= SETTLE_SECONDS
+            await asyncio.sleep(POLL_PERIOD_STABLE if stable else POLL_PERIOD)
+
+    def _settled_view(self) -> tuple | None:
+        """(shard, role, leader, term) of every replica; None while one is silent or leaderless."""
+        view = []
+        for shard, rp in sorted(self.replicas.items()):
+            st = rp.status
+            if not st or (st.get("leader") is None and st.get("leader_url") is None):
+                return None
+            view.append((shard, st.get("role"), st.get("leader"), st.get("term")))
+        return tuple(view)
 
     # ---- views -------------------------------------------------------------------------------
 
