@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=None, help="B1 measuring window per system")
     p.add_argument("--kills", type=int, default=None, help="B3 leader kills")
     p.add_argument("--shards", type=int, default=None, help="kvps cluster shards (default 8)")
+    p.add_argument("--fsync", choices=("never", "interval", "always"), default=None,
+                   help="kvps journal fsync policy (default never, as the Redis peer persists nothing)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     plan = PLANS[args.plan or ("quick" if args.quick else "full")]
     plan = with_overrides(plan, workers=args.workers, b1_seconds=args.seconds, b3_kills=args.kills,
-                          shards=args.shards)
+                          shards=args.shards, kvps_fsync=args.fsync)
     out = Path(args.out)
     systems = tuple(s for s in SYSTEMS if s not in args.skip)
     skipped: dict[str, str] = {}

@@ -23,6 +23,10 @@ class Plan:
     # The kvps cluster every section uses: `kvps up`'s defaults (3 nodes, 8 shards, 3 replicas).
     nodes: int = 3
     shards: int = 8
+    # The journal's fsync policy for the kvps cluster. "never" matches the Redis peer, which runs
+    # with persistence off: neither side waits for the disk (kvps still writes its journal to the
+    # page cache, so a kill -9 loses nothing). `kvps bench --fsync interval` runs kvps's default.
+    kvps_fsync: str = "never"
     # B2: payload sizes, seconds per (system, size, batching).
     b2_sizes: tuple[int, ...] = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB)
     b2_seconds: float = 4.0

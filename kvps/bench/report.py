@@ -116,7 +116,9 @@ def _b1_md(r: dict) -> list[str]:
             f"{_size(m['model']['tensor_bytes'])} float32 ({m['model']['bytes'] / MB:.0f} MB); one step = pull "
             "every tensor + push one gradient per tensor, no compute. Steps/s summed over workers; "
             "MB/s = steps × 2 × model size. CPU ms/step: the server processes (replicas and nodes, "
-            "redis-servers, the RPC server) and the workers, per step in the window."),
+            "redis-servers, the RPC server) and the workers, per step in the window. "
+            f"kvps journal fsync policy: `{m.get('kvps_cluster', {}).get('fsync', 'interval')}` "
+            "(Redis runs with persistence off)."),
             "",
             "| system | steps/s | MB/s moved | step p50 ms | server CPU ms/step | worker CPU ms/step | load | semantics |",
             "|---|---:|---:|---:|---:|---:|---:|---|"]

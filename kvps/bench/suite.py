@@ -35,7 +35,8 @@ def run_suite(plan: Plan, sections: tuple[str, ...], systems: tuple[str, ...],
                  "machine": platform.machine(), "workers": plan.workers,
                  "model": {"tensors": plan.model.tensors, "tensor_bytes": plan.model.tensor_bytes,
                            "bytes": plan.model.nbytes},
-                 "kvps_cluster": {"nodes": plan.nodes, "shards": plan.shards, "replicas": 3},
+                 "kvps_cluster": {"nodes": plan.nodes, "shards": plan.shards, "replicas": 3,
+                                  "fsync": plan.kvps_fsync},
                  "load_avg_start": _load()},
         "skipped": dict(skipped),
     }
@@ -118,10 +119,12 @@ def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, results:
     from kvps.bench.failover import failover
     from kvps.bench.pulls import pulls
     from kvps.bench.workload import create_model, kvps_worker
+    from kvps.config import RaftConfig
     from kvps.local import LocalCluster
 
     with tempfile.TemporaryDirectory(prefix="kvps-bench-") as tmp, \
-            LocalCluster(Path(tmp), nodes=plan.nodes, shards=plan.shards) as cluster:
+            LocalCluster(Path(tmp), nodes=plan.nodes, shards=plan.shards,
+                         raft=RaftConfig(fsync=plan.kvps_fsync)) as cluster:
         with progress.phase("start kvps"):
             cluster.start(timeout=120)
         sessions = lambda: {p.pid for p in cluster.procs.values()}
