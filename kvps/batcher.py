@@ -153,10 +153,10 @@ class PushBatcher:
         try:
             modes = {key: self._merge_mode(key) for req in reqs for key in _keys(req)}
             cmd = merge(reqs, modes, now=self._clock())
-            data = cmd.to_bytes()
+            parts = cmd.to_parts()  # joined once, behind the Raft entry's prefix
             if self._on_batch is not None:
-                self._on_batch(len(reqs), len(data))
-            result = await self._propose(data)
+                self._on_batch(len(reqs), sum(len(p) for p in parts))
+            result = await self._propose(parts)
         except KvpsError as exc:
             failure: KvpsError = exc
             return lambda req: failure

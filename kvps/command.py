@@ -300,6 +300,11 @@ class Push(_Base):
             raise InvalidRequest("a push id appears twice in one entry", field="pushes")
 
     def to_bytes(self) -> bytes:
+        return b"".join(self.to_parts())
+
+    def to_parts(self) -> list[bytes | memoryview]:
+        """``to_bytes()`` as buffers to join (gradients as zero-copy views): the proposer joins
+        them with its own prefix, one copy instead of two."""
         arrays: list[np.ndarray] = [d.grad for d in self.dense]
         for r in self.rows:
             arrays += [r.ids, r.grads, r.counts]
@@ -307,7 +312,7 @@ class Push(_Base):
                 "pushes": [p.to_json() for p in self.pushes],
                 "dense": [[d.key, d.block, d.count] for d in self.dense],
                 "rows": [r.key for r in self.rows]}
-        return _encode(meta, arrays)
+        return frame.encode_parts(frame.KIND_COMMAND, meta, arrays)
 
 
 @dataclass(frozen=True, eq=False)

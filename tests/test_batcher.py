@@ -20,8 +20,8 @@ class FakeRaft:
         self.proposed: list = []
         self.gates: list[asyncio.Future] = []
 
-    async def propose(self, data: bytes):
-        cmd = decode_command(data)
+    async def propose(self, data):
+        cmd = decode_command(b"".join(data) if isinstance(data, list) else data)  # parts or bytes
         self.proposed.append(cmd)
         gate = asyncio.get_running_loop().create_future()
         self.gates.append(gate)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import free_ports, wait_for
 from pysyncobj.config import FAIL_REASON
@@ -186,6 +187,17 @@ def test_leader_stop_elects_new_leader_and_commits_resume(cluster):
     seq = cluster.wait_converged()
     assert [x for x in seq if x.startswith(b"after-")] == [f"after-{i}".encode() for i in range(5)]
     assert [x for x in seq if x.startswith(b"before-")] == [f"before-{i}".encode() for i in range(5)]
+
+
+def test_a_command_proposed_as_buffers_applies_as_their_concatenation(cluster):
+    cluster.start_all()
+    payload = np.arange(1000, dtype=np.float32)
+    parts = [b"head:", memoryview(payload.view(np.uint8)), b":tail"]
+    assert cluster.propose(parts) >= 1
+    want = b"head:" + payload.tobytes() + b":tail"
+    assert cluster.wait_converged()[-1] == want
+    big = [b"x" * (cluster.raft.max_command_bytes // 2)] * 2 + [b"y"]  # over the cap in total
+    assert propose_sync(cluster.leader(), big)[1] == COMMAND_TOO_LARGE
 
 
 def test_entries_pickled_by_an_older_kvps_still_apply_beside_new_ones(tmp_path):

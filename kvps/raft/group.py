@@ -214,11 +214,13 @@ class ShardGroup(SyncObj):
 
     # -- proposing ----------------------------------------------------------------------------
 
-    def propose(self, data: bytes, callback: Callable[[Any, int], None]) -> None:
-        """Submit ``data``; ``callback(result, reason)`` fires once on the tick thread (or at once on
-        this thread for QUEUE_FULL, COMMAND_TOO_LARGE and GROUP_STOPPED). ``reason`` is a
-        pysyncobj ``FAIL_REASON`` or one of our codes; ``result`` is the applier's return value."""
-        if len(data) > self._raft.max_command_bytes:
+    def propose(self, data: bytes | Sequence[Any], callback: Callable[[Any, int], None]) -> None:
+        """Submit ``data`` (bytes, or a list of buffers that make it up); ``callback(result,
+        reason)`` fires once on the tick thread (or at once on this thread for QUEUE_FULL,
+        COMMAND_TOO_LARGE and GROUP_STOPPED). ``reason`` is a pysyncobj ``FAIL_REASON`` or one of
+        our codes; ``result`` is the applier's return value."""
+        parts = data if isinstance(data, (list, tuple)) else (data,)
+        if sum(len(p) for p in parts) > self._raft.max_command_bytes:
             callback(None, COMMAND_TOO_LARGE)
             return
         token = next(self._tokens)
@@ -229,7 +231,7 @@ class ShardGroup(SyncObj):
         if stopped:
             callback(None, GROUP_STOPPED)
             return
-        command = b"".join((_ENTRY_PREFIX, data))  # queued as is: the type byte is in the prefix
+        command = b"".join((_ENTRY_PREFIX, *parts))  # queued as is: the type byte is in the prefix
         self._applyCommand(command, lambda result, reason: self._settle(token, result, reason))
 
     def abandon_pending(self) -> int:
