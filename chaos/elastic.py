@@ -93,6 +93,7 @@ class GrowShrink:
     seed: int
     initial: list[int]
     joined: list[int] = field(default_factory=list)
+    drained: list[int] = field(default_factory=list)           # the nodes drained (default: the joined)
     acked: int = 0                                             # pushes acknowledged (each adds 1 per key)
     values: dict[str, tuple[float, int]] = field(default_factory=dict)   # key: (value, version) at the end
     push_errors: list[str] = field(default_factory=list)
@@ -113,22 +114,26 @@ class GrowShrink:
                 what = "LOST" if value < self.acked else "APPLIED TWICE" if value > self.acked else "version"
                 out.append(f"{key}: {self.acked} pushes acknowledged, value {value:g} version {version} ({what})")
         for name, m, active in (("grown", self.grown, self.initial + self.joined),
-                                ("shrunk", self.shrunk, self.initial)):
+                                ("shrunk", self.shrunk, self.remaining)):
             if m is None:
                 out.append(f"never {name}: replicas did not settle evenly on nodes {active}")
         if self.grown is not None and self.grown["rebalance"]["moves_done"] < 2 * len(self.joined):
             out.append(f"only {self.grown['rebalance']['moves_done']} moves for {len(self.joined)} joins")
         if self.shrunk is not None:
             states = {n["id"]: n["state"] for n in self.shrunk["nodes"]}
-            want = {**{n: "active" for n in self.initial}, **{n: "removed" for n in self.joined}}
+            want = {**{n: "active" for n in self.remaining}, **{n: "removed" for n in self.drained}}
             if states != want:
                 out.append(f"node states {states}, expected {want}")
-        if self.joined and (self.drain_rc != 0 or f"node {self.joined[-1]} removed" not in self.drain_output):
-            out.append(f"kvps node drain {self.joined[-1]} exited {self.drain_rc}: {self.drain_output[-500:]}")
+        if self.drained and (self.drain_rc != 0 or f"node {self.drained[-1]} removed" not in self.drain_output):
+            out.append(f"kvps node drain {self.drained[-1]} exited {self.drain_rc}: {self.drain_output[-500:]}")
         out += [f"node {n}'s process did not exit after its removal" for n, ok in self.exited.items() if not ok]
         if not self.agreed:
             out.append("replicas of some shard did not agree at the end")
         return out
+
+    @property
+    def remaining(self) -> list[int]:
+        return [n for n in self.initial + self.joined if n not in self.drained]
 
     def explain(self) -> str:
         return (f"seed {self.seed}: {self.failures()}\nacked {self.acked}, values {self.values}, "
@@ -156,13 +161,14 @@ async def _wait(cond: Callable[[], Any], timeout: float, what: str) -> Any:
     return await asyncio.to_thread(wait_until, cond, timeout, what, 0.1)
 
 
-async def grow_and_shrink(cluster: Any, *, seed: int, joins: int = 2, pushers: int = 3,
-                          settle_timeout: float = 180.0) -> GrowShrink:
+async def grow_and_shrink(cluster: Any, *, seed: int, joins: int = 2, drain: list[int] | None = None,
+                          pushers: int = 3, settle_timeout: float = 180.0) -> GrowShrink:
     """``joins`` nodes join (``cluster.join_node``), replicas spread evenly over every node; then
-    they are drained (the last through ``kvps node drain``, which waits; the others through the
-    admin API) and replicas are back on the initial nodes. ``pushers`` tasks push +1 to every key
-    throughout; ``acked`` counts the acknowledged pushes. Timeouts end the run early (the result
-    then says what was never reached); every joined node is released before it returns."""
+    ``drain`` (default: the joined nodes) are drained (the last through ``kvps node drain``, which
+    waits; the others through the admin API) and replicas settle on the remaining nodes.
+    ``pushers`` tasks push +1 to every key throughout; ``acked`` counts the acknowledged pushes.
+    Timeouts end the run early (the result then says what was never reached); every joined node
+    is released before it returns."""
     import numpy as np
 
     import kvps_client as kc
@@ -198,23 +204,25 @@ async def grow_and_shrink(cluster: Any, *, seed: int, joins: int = 2, pushers: i
                 res.timings["grow_s"] = round(time.monotonic() - started, 1)
                 await more_acks(20, "after growing")
                 shrinking = time.monotonic()
-                drain = await asyncio.create_subprocess_exec(
-                    *python_module_args("kvps.cli", "node", "drain", str(res.joined[-1]),
-                                        "--endpoint", cluster.endpoints[1 % len(cluster.endpoints)],
+                res.drained = list(res.joined if drain is None else drain)
+                via = next(n for n in every if n not in res.drained)  # a node that stays
+                drainer = await asyncio.create_subprocess_exec(
+                    *python_module_args("kvps.cli", "node", "drain", str(res.drained[-1]),
+                                        "--endpoint", _admin_url(cluster, via),
                                         "--timeout", str(int(settle_timeout))),
                     env={**os.environ, "KVPS_TOKEN": cluster.token},
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
                 try:
-                    for node_id in res.joined[:-1]:
+                    for node_id in res.drained[:-1]:
                         await asyncio.to_thread(cluster.admin_post, f"/v1/nodes/{node_id}/drain", {})
-                    out, _ = await asyncio.wait_for(drain.communicate(), settle_timeout + 30)
+                    out, _ = await asyncio.wait_for(drainer.communicate(), settle_timeout + 30)
                 finally:
-                    if drain.returncode is None:
-                        drain.kill()
-                        await drain.wait()
-                res.drain_output, res.drain_rc = out.decode(errors="replace"), drain.returncode
-                res.shrunk = await _wait(lambda: settled(cluster, res.initial), settle_timeout,
-                                         f"replicas back on nodes {res.initial}")
+                    if drainer.returncode is None:
+                        drainer.kill()
+                        await drainer.wait()
+                res.drain_output, res.drain_rc = out.decode(errors="replace"), drainer.returncode
+                res.shrunk = await _wait(lambda: settled(cluster, res.remaining), settle_timeout,
+                                         f"replicas settled on nodes {res.remaining}")
                 res.timings["shrink_s"] = round(time.monotonic() - shrinking, 1)
                 await more_acks(20, "after shrinking")
             except (TimeoutError, OSError, subprocess.SubprocessError) as exc:
@@ -226,8 +234,8 @@ async def grow_and_shrink(cluster: Any, *, seed: int, joins: int = 2, pushers: i
             for k in KEYS:
                 value, version = await ps.get(k)
                 res.values[k] = (float(value[0]), int(version))
-        for node_id in res.joined:  # a removed node's process exits by itself
-            proc = cluster.joined[node_id]
+        for node_id in res.drained:  # a removed node's process exits by itself
+            proc = cluster.joined.get(node_id) or cluster.procs[node_id]
             try:
                 await _wait(lambda p=proc: p.poll() is not None, 30, f"node {node_id} to exit")
                 res.exited[node_id] = True
@@ -241,6 +249,14 @@ async def grow_and_shrink(cluster: Any, *, seed: int, joins: int = 2, pushers: i
         for node_id in res.joined:
             await asyncio.to_thread(cluster.release_node, node_id)
     return res
+
+
+def _admin_url(cluster: Any, node_id: int) -> str:
+    if node_id < len(cluster.cfg.nodes):
+        return cluster.cfg.node(node_id).admin_url
+    m = meta(cluster)
+    node = (m or {"nodes": []})["nodes"][node_id]
+    return f"{node['scheme']}://{node['host']}:{node['admin_port']}"
 
 
 def print_logs(cluster: LocalCluster, lines: int = 60) -> None:

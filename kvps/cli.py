@@ -180,8 +180,8 @@ def format_status(cmap: dict) -> str:
     rebalance = (cmap.get("membership") or {}).get("rebalance") or {}
     if rebalance.get("moving") or rebalance.get("moves_done"):  # elastic membership (kvps/rebalance.py)
         m = rebalance.get("moving")
-        now = (f"moving shard {m['shard']}'s replica from node {m['source']} to node {m['target']}"
-               if m else "settled")
+        what = "the metadata replica" if m and m.get("meta") else f"shard {m['shard']}'s replica" if m else ""
+        now = f"moving {what} from node {m['source']} to node {m['target']}" if m else "settled"
         lines.append(f"rebalance: {now}; {rebalance.get('moves_done', 0)} moves done")
     lines.append(f"nodes: {nodes}    {len(cmap['shards']) - degraded}/{len(cmap['shards'])} shards healthy")
     return "\n".join(lines)

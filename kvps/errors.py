@@ -15,7 +15,7 @@
     │   ├── Unauthorized      missing or wrong token
     │   ├── InvalidRequest    malformed request, bad argument, NaN/Inf gradient, ...
     │   │   ├── RequestTooLarge  body over the server's cap (HTTP 413)
-    │   │   └── NotDrainable     the node runs a metadata replica, which cannot move (HTTP 409)
+    │   │   └── NotDrainable     a metadata node, and no node outside the group to take over (HTTP 409)
     │   └── PushExpired       a retried push id older than the server's window (it *was* applied)
     ├── CodecError            corrupt or unknown-format payload
     └── ConfigError           invalid configuration (one message per field)
@@ -139,8 +139,8 @@ class RequestTooLarge(InvalidRequest):
 
 
 class NotDrainable(InvalidRequest):
-    """``fields['node']`` runs a replica of the metadata group (``fields['meta_nodes']``), and
-    those replicas do not move: draining it would take a member from that group for good."""
+    """``fields['node']`` runs a replica of the metadata group (``fields['meta_nodes']``) and no
+    active node outside that group could take the replica over: the drain could never finish."""
 
     http_status = 409
 

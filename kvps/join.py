@@ -61,6 +61,8 @@ def join(args: argparse.Namespace) -> int:
     node_dir.mkdir(exist_ok=True)
     if not (node_dir / "assignment.json").exists():  # a restarted join keeps what it follows
         (node_dir / "assignment.json").write_text(json.dumps(reply["assignment"]))
+    if "meta_members" in reply and not (node_dir / "meta_members.json").exists():
+        (node_dir / "meta_members.json").write_text(json.dumps(reply["meta_members"]))
     for name, text in (("secret", reply["secret"]), ("token", args.token)):
         path = data_dir / name
         path.touch(mode=0o600)

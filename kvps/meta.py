@@ -13,6 +13,10 @@ its index in ``ClusterConfig.nodes`` everywhere. A node is ``active`` (may host 
 
 ``rebalance`` is progress the rebalancer reports (what it is moving, how many moves are done),
 replicated so that every node shows it and a new meta leader knows an interrupted move.
+
+``meta_members`` are the nodes that run the metadata group's replicas: the first three at first;
+draining one of them moves its metadata replica to another node, one change at a time, like a
+shard replica (``set_meta_members`` adds the target, then drops the source).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from typing import Any
 
 from kvps.assignment import Assignment
 
-__all__ = ["MetaState", "NODE_STATES", "meta_address", "meta_nodes", "plan_move"]
+__all__ = ["MetaState", "NODE_STATES", "meta_address", "meta_nodes", "plan_meta_move", "plan_move"]
 
 NODE_STATES = ("active", "draining", "removed")
 META_REPLICAS = 3
@@ -39,9 +43,13 @@ def meta_address(node: Any, shards: int) -> str:
 
 
 class MetaState:
-    def __init__(self, nodes: list[dict[str, Any]], assignment: Assignment) -> None:
+    def __init__(self, nodes: list[dict[str, Any]], assignment: Assignment,
+                 meta_members: list[int] | None = None) -> None:
         self.nodes = nodes  # index = node id; {"id", "host", "admin_port", "port_base", "scheme", "state"}
         self.assignment = assignment
+        # the nodes running a metadata replica (states written before it existed: the first three)
+        self.meta_members = sorted(meta_members) if meta_members is not None else \
+            meta_nodes([n["id"] for n in nodes])
         self.version = 0  # bumped by every change
         # auto: even out the load by itself (drains and requested moves run either way)
         self.rebalance: dict[str, Any] = {"moving": None, "moves_done": 0, "last": None, "auto": True}
@@ -87,6 +95,8 @@ class MetaState:
             return {"error": f"bad node state change {node_id} -> {state!r}"}
         if state == "removed" and self.assignment.shards_of(node_id):
             return {"error": f"node {node_id} still hosts shards {self.assignment.shards_of(node_id)}"}
+        if state == "removed" and node_id in self.meta_members:
+            return {"error": f"node {node_id} still runs a metadata replica"}
         self.nodes[node_id]["state"] = state
         return {"ok": True}
 
@@ -99,6 +109,17 @@ class MetaState:
                for nodes in new.shards for n in nodes):
             return {"error": "assignment places a replica on an unknown or removed node"}
         self.assignment = new
+        return {"ok": True}
+
+    def _apply_set_meta_members(self, c: dict[str, Any]) -> dict[str, Any]:
+        """One change of the metadata group's member list: one node added or one dropped."""
+        new = sorted(int(n) for n in c["members"])
+        old = set(self.meta_members)
+        if len(set(new)) != len(new) or len(old.symmetric_difference(new)) != 1 or len(new) < 2:
+            return {"error": f"metadata members {self.meta_members} -> {new}: one change at a time"}
+        if any(not 0 <= n < len(self.nodes) or self.nodes[n]["state"] == "removed" for n in new):
+            return {"error": "metadata members must be known, not removed nodes"}
+        self.meta_members = new
         return {"ok": True}
 
     def _apply_rebalance(self, c: dict[str, Any]) -> dict[str, Any]:
@@ -130,11 +151,12 @@ class MetaState:
 
     def to_json(self) -> dict[str, Any]:
         return {"version": self.version, "nodes": self.nodes, "assignment": self.assignment.to_json(),
-                "rebalance": self.rebalance}
+                "rebalance": self.rebalance, "meta_members": self.meta_members}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "MetaState":
-        state = cls([dict(n) for n in data["nodes"]], Assignment.from_json(data["assignment"]))
+        state = cls([dict(n) for n in data["nodes"]], Assignment.from_json(data["assignment"]),
+                    data.get("meta_members"))
         state.version = int(data["version"])
         state.rebalance = dict(data.get("rebalance") or state.rebalance)
         return state
@@ -156,8 +178,10 @@ def plan_move(state: MetaState, replicas: int) -> tuple[int, int, int] | None:
     latter. Ties break by node id, so every leader plans alike.
     """
     moving = state.rebalance.get("moving")
-    if moving:
+    if moving and "shard" in moving:
         return int(moving["shard"]), int(moving["source"]), int(moving["target"])
+    if moving:
+        return None  # a metadata replica moves (``plan_meta_move``)
     a = state.assignment
     active = state.active_nodes()
     if not active:
@@ -179,4 +203,19 @@ def plan_move(state: MetaState, replicas: int) -> tuple[int, int, int] | None:
     for shard in a.shards_of(hi):
         if lo not in a.nodes_of(shard) and len(a.nodes_of(shard)) <= replicas:
             return shard, hi, lo
+    return None
+
+
+def plan_meta_move(state: MetaState) -> tuple[int, int] | None:
+    """The next metadata replica move ``(source, target)``, or None: an interrupted one first;
+    then, once a draining member hosts no shard replica any more, its metadata replica moves to
+    the least-loaded active node that runs none (ties by node id)."""
+    moving = state.rebalance.get("moving")
+    if moving:
+        return (int(moving["source"]), int(moving["target"])) if moving.get("meta") else None
+    candidates = [n for n in state.active_nodes() if n not in state.meta_members]
+    load = state.assignment.load(candidates)
+    for node in state.meta_members:
+        if state.nodes[node]["state"] == "draining" and not state.assignment.shards_of(node) and candidates:
+            return node, min(candidates, key=lambda n: (load[n], n))
     return None

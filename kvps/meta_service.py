@@ -1,12 +1,16 @@
 """The metadata Raft group in a node process: ``MetaState`` behind a ``ShardGroup``.
 
-The first three nodes of the initial cluster (``kvps.meta.meta_nodes``) each run one metadata
-replica inside their node process (its Raft port is the one after the node's shard ports,
-``kvps.meta.meta_address``). Any replica proposes: pysyncobj forwards a follower's proposal to the
-leader. Reads are the local replica's applied state (a follower may be a little behind; every
-reader compares versions, which only grow).
+The nodes in ``meta_members`` (the first three of the initial cluster until one of them is
+drained) each run one metadata replica inside their node process (its Raft port is the one after
+the node's shard ports, ``kvps.meta.meta_address``). Any replica proposes: pysyncobj forwards a
+follower's proposal to the leader. Reads are the local replica's applied state (a follower may be
+a little behind; every reader compares versions, which only grow); a replica that knows no leader
+(an election, or it was removed from the group) also asks the other members.
 
-Nodes that do not run a metadata replica read the map from one that does (``GET /v1/meta``).
+Nodes that do not run a metadata replica read the map from one that does (``GET /v1/meta``). A
+node follows ``meta_members`` (persisted in ``meta_members.json`` next to ``assignment.json``): it
+starts a replica that joins the group when it is added, and stops and deletes its replica when it
+is dropped (``kvps.rebalance.MetaMover`` moves one, like a shard replica).
 """
 from __future__ import annotations
 
@@ -30,15 +34,19 @@ log = logging.getLogger("kvps.meta")
 
 class MetaService:
     def __init__(self, cfg: ClusterConfig, node_id: int, members: list[int], data_dir: Path,
-                 secret: bytes) -> None:
+                 secret: bytes, *, join: bool = False) -> None:
         self._lock = threading.Lock()
         self._state = MetaState.initial(cfg)
         addresses = [meta_address(cfg.node(n), cfg.shards) for n in members]
         self.address = meta_address(cfg.node(node_id), cfg.shards)
+        self.journal_dir = data_dir / "meta"
         self.group = ShardGroup(
             self_address=self.address, peers=[a for a in addresses if a != self.address],
-            raft=cfg.raft, secret=secret, context="kvps/meta", journal_dir=data_dir / "meta",
+            raft=cfg.raft, secret=secret, context="kvps/meta", journal_dir=self.journal_dir,
             applier=self._apply, snapshot_state=self._snapshot, restore_state=self._restore)
+        if join:  # a replica added to a running group: it must not depose the leader meanwhile
+            from kvps.raft.membership import hold_elections
+            hold_elections(self.group, 30.0)
 
     # ---- tick thread -------------------------------------------------------------------------
 
@@ -71,10 +79,16 @@ class MetaService:
         with self._lock:
             data = self._state.to_json()
         return {**copy.deepcopy(data), "raft": {"address": self.address, "role": st["role"],
-                                                "leader": st["leader"], "term": st["term"]}}
+                                                "leader": st["leader"], "term": st["term"],
+                                                "commit_index": st["commit_index"],
+                                                "applied_index": st["applied_index"]}}
 
     def is_leader(self) -> bool:
         return self.group.is_leader()
+
+    def hears_leader(self) -> bool:
+        from kvps.raft.membership import hears_leader
+        return hears_leader(self.group)
 
     async def propose(self, command: dict[str, Any]) -> dict[str, Any]:
         """Replicate ``command``; its result, or ``VersionConflict`` / ``Unavailable``."""
@@ -104,11 +118,14 @@ class NodeMembership:
     def __init__(self, node: Any) -> None:
         from kvps.meta import meta_nodes
         self.node = node
-        self.meta_ids = meta_nodes([n.id for n in node.cfg.nodes])
+        self._members_path = node.data_dir / "meta_members.json"
+        self.meta_ids = json.loads(self._members_path.read_text()) if self._members_path.exists() \
+            else meta_nodes([n.id for n in node.cfg.nodes])
         self.meta: MetaService | None = None
         self.version = -1
         self.view: dict[str, Any] | None = None  # the newest metadata state seen
         self._tasks: list[Any] = []
+        self._rebalancer: Any = None  # the task running the rebalancer next to the local replica
 
     def secret(self) -> bytes:
         return (self.node.config_path.parent / self.node.cfg.secret_file).read_bytes().strip()
@@ -116,15 +133,47 @@ class NodeMembership:
     def start(self) -> None:
         import asyncio
         if self.node.node_id in self.meta_ids:
-            self.meta = MetaService(self.node.cfg, self.node.node_id, self.meta_ids,
-                                    self.node.data_dir, self.secret())
+            self._start_meta(join=False)
         self._tasks.append(asyncio.create_task(self._follow()))
-        if self.meta is not None:
-            from kvps.rebalance import MetaStore, Mover, Rebalancer, _Http
-            http = _Http(self.node._session, self.node.token)
-            mover = Mover(http, MetaStore(self.meta), self._node_config, timeout=600)
-            self._tasks.append(asyncio.create_task(
-                Rebalancer(self.meta, mover, self.node.cfg.replicas).run()))
+
+    def _start_meta(self, *, join: bool) -> None:
+        import asyncio
+
+        from kvps.rebalance import MetaMover, MetaStore, Mover, Rebalancer, _Http
+        self.meta = MetaService(self.node.cfg, self.node.node_id, self.meta_ids, self.node.data_dir,
+                                self.secret(), join=join)
+        http = _Http(self.node._session, self.node.token)
+        mover = Mover(http, MetaStore(self.meta), self._node_config, timeout=600)
+        meta_mover = MetaMover(http, self.meta, self._node_config, self.node.cfg.shards, timeout=600)
+        self._rebalancer = asyncio.create_task(
+            Rebalancer(self.meta, mover, self.node.cfg.replicas, meta_mover=meta_mover).run())
+
+    async def _stop_meta(self) -> None:
+        """This node's metadata replica was removed from the group: stop it, delete its journal
+        (a stale one must never rejoin), and follow the members from now on."""
+        import asyncio
+        import shutil
+        meta, task, self.meta, self._rebalancer = self.meta, self._rebalancer, None, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if meta is not None:
+            await asyncio.to_thread(meta.stop)
+            await asyncio.to_thread(shutil.rmtree, meta.journal_dir, True)
+        log.info("node %d: no longer runs a metadata replica; its data is deleted", self.node.node_id)
+
+    async def _follow_members(self, members: list[int]) -> None:
+        if members == self.meta_ids:
+            return
+        tmp = self._members_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(members))
+        tmp.replace(self._members_path)
+        self.meta_ids = list(members)
+        if self.node.node_id in members and self.meta is None:
+            log.info("node %d: now runs a metadata replica (members %s)", self.node.node_id, members)
+            self._start_meta(join=True)
+        elif self.node.node_id not in members and self.meta is not None:
+            await self._stop_meta()
 
     def _node_config(self, node_id: int) -> Any:
         """A node's addresses; the metadata state may know a node the follow loop has not yet
@@ -135,28 +184,38 @@ class NodeMembership:
 
     async def stop(self) -> None:
         import asyncio
-        for t in self._tasks:
+        tasks = [*self._tasks, *([self._rebalancer] if self._rebalancer is not None else [])]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.meta is not None:
             await asyncio.to_thread(self.meta.stop)
 
     # ---- following ---------------------------------------------------------------------------
 
     async def fetch(self) -> dict[str, Any] | None:
-        """The newest metadata state: the local replica's, else the first metadata node's."""
-        if self.meta is not None:
-            return self.meta.view()
+        """The newest metadata state: the local replica's while it knows a leader, else the
+        newest a member answers with (the local replica may have been removed from the group)."""
         import aiohttp
+        own = self.meta.view() if self.meta is not None else None
+        if own is not None and self.meta is not None and self.meta.hears_leader():
+            return own
+        best = own
         for n in self.meta_ids:
+            if n == self.node.node_id or n >= len(self.node.cfg.nodes):
+                continue
             url = self.node.cfg.node(n).admin_url + "/v1/meta"
             try:
                 async with self.node._session.get(url, timeout=aiohttp.ClientTimeout(total=1.0)) as r:
                     if r.status == 200:
-                        return await r.json()
+                        data = await r.json()
+                        if best is None or data["version"] > best["version"]:
+                            best = data
+                        if own is None:
+                            break
             except (aiohttp.ClientError, OSError, ValueError, TimeoutError):
                 continue
-        return None
+        return best
 
     async def _follow(self) -> None:
         import asyncio
@@ -174,6 +233,8 @@ class NodeMembership:
             return
         self.view, self.version = data, data["version"]
         self.node.follow_nodes(data["nodes"])
+        if "meta_members" in data:
+            await self._follow_members([int(n) for n in data["meta_members"]])
         await self.node.set_assignment(Assignment.from_json(data["assignment"]))
         me = data["nodes"][self.node.node_id] if self.node.node_id < len(data["nodes"]) else None
         if me is not None and me["state"] == "removed" and not self.node.replicas:
@@ -254,6 +315,7 @@ class NodeMembership:
                        data_dir=f"node-{n['id']}", scheme=n["scheme"]) for n in nodes),
             secret_file="secret", token_file="token")
         return {"id": result["id"], "config": dump_cluster(cfg), "secret": self.secret().decode(),
+                "meta_members": self.meta.state().meta_members,
                 # the new node hosts nothing until the rebalancer places replicas on it (the
                 # config's placement, computed over the grown node list, does not apply)
                 "assignment": self.meta.state().assignment.to_json()}
@@ -275,16 +337,17 @@ class NodeMembership:
 
     async def _drain(self, node_id: int) -> dict[str, Any]:
         assert self.meta is not None
-        if node_id in self.meta_ids:
-            raise NotDrainable(
-                f"node {node_id} cannot be drained: it runs a replica of the metadata Raft group "
-                f"(nodes {', '.join(map(str, self.meta_ids))} do), and those replicas do not move "
-                f"to other nodes. To retire its host, restart node {node_id} on a new machine with "
-                f"the same host address, or with a cluster.toml that points its host at the new "
-                f"address (deploy/README.md)", node=node_id, meta_nodes=self.meta_ids)
         state = self.meta.state()
         if not 0 <= node_id < len(state.nodes):
             raise InvalidRequest(f"no node {node_id}", field="id")
+        members = state.meta_members
+        if node_id in members and state.nodes[node_id]["state"] == "active" and not [
+                n for n in state.active_nodes() if n not in members]:
+            raise NotDrainable(
+                f"node {node_id} cannot be drained now: it runs a replica of the metadata Raft "
+                f"group (nodes {', '.join(map(str, members))} do), and no active node outside that "
+                f"group can take the replica over. Join a node first (kvps node join), then drain "
+                f"node {node_id}", node=node_id, meta_nodes=members)
         if state.nodes[node_id]["state"] == "active":
             await self.meta.propose({"op": "set_node_state", "id": node_id, "state": "draining"})
         return {"id": node_id, "state": self.meta.state().nodes[node_id]["state"]}
@@ -296,5 +359,5 @@ class NodeMembership:
         for node in cmap["nodes"]:
             node["state"] = states.get(node["id"], "active")
         cmap["membership"] = {"version": view.get("version"), "rebalance": view.get("rebalance"),
-                              "meta_nodes": self.meta_ids}
+                              "meta_nodes": view.get("meta_members", self.meta_ids)}
         return cmap

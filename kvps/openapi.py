@@ -167,7 +167,7 @@ ADMIN_PATHS: dict[str, dict[str, Any]] = {
         "responses": {"200": _json({"type": "object", "required": ["id", "state"],
                                     "properties": {"id": _int, "state": _str}}),
                       "400": _json(ERROR), "401": _json(ERROR),
-                      "409": _json(ERROR, "NotDrainable: the node runs a metadata replica")}}},
+                      "409": _json(ERROR, "NotDrainable: a metadata node, and no node to take its replica")}}},
     "/v1/moves": {"post": {
         "summary": "Queue one replica move (the rebalancer runs it; 503 while another move runs)",
         "security": [{"bearer": []}],

@@ -22,6 +22,12 @@ the same push id, which the replicated applied table deduplicates.
 Where assignments live is an ``AssignmentStore``: ``MetaStore``, the metadata Raft group
 (kvps/meta.py), which every node follows. Moves run only in the ``Rebalancer`` on the metadata
 leader, one at a time (``POST /v1/moves`` queues one; ``plan_move`` chooses the rest).
+
+A draining node that runs a metadata replica hands it over last (``MetaMover``), with the same
+steps on the metadata group itself: the target joins the member list (its node starts a replica
+that joins the group), the leader adds it, waits until it has caught up, hands leadership away
+if it is the source itself (the new leader's rebalancer finishes the move), removes the source,
+and drops it from the member list (its node stops that replica and deletes its journal).
 """
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ from kvps.errors import (
     InvalidRequest, KvpsError, RetryableError, Timeout, Unavailable, error_from_dict,
 )
 
-__all__ = ["AssignmentStore", "MetaStore", "MoveReport", "Mover", "Rebalancer"]
+__all__ = ["AssignmentStore", "MetaMover", "MetaStore", "MoveReport", "Mover", "Rebalancer"]
 
 log = logging.getLogger("kvps.rebalance")
 
@@ -249,6 +255,91 @@ def _check(deadline: float, what: str) -> None:
         log.info("still waiting for %s", what)
 
 
+class MetaMover:
+    """Moves a metadata replica (see the module doc); runs on the metadata leader."""
+
+    def __init__(self, http: _Http, meta: Any, node: Callable[[int], NodeConfig], shards: int, *,
+                 timeout: float = 300.0) -> None:
+        self.http = http
+        self.meta = meta
+        self.node = node
+        self.shards = shards
+        self.timeout = timeout
+
+    def _address(self, node_id: int) -> str:
+        from kvps.meta import meta_address
+        return meta_address(self.node(node_id), self.shards)
+
+    async def _applied(self, node_id: int) -> int | None:
+        """The applied index of ``node_id``'s own metadata replica, once it hears a leader."""
+        try:
+            view = await self.http.json("GET", self.node(node_id).admin_url + "/v1/meta")
+        except KvpsError:
+            return None
+        raft = view.get("raft") or {}
+        if raft.get("address") != self._address(node_id) or raft.get("leader") is None:
+            return None
+        return int(raft.get("applied_index") or 0)
+
+    async def move(self, source: int, target: int) -> MoveReport | None:
+        """The move's report, or None when this replica handed leadership away meanwhile (the
+        new leader's rebalancer resumes the move: every step is idempotent)."""
+        from kvps.raft.membership import change
+        report = MoveReport(-1, source, target)
+        _last_said.clear()
+        started = mark = time.monotonic()
+        deadline = started + self.timeout
+
+        def phase(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            report.phases[name] = now - mark
+            mark = now
+
+        members = self.meta.state().meta_members
+        if source not in members and target in members:
+            return report  # done already
+        if target not in members:  # 1. place: the target's node starts a joining replica
+            members = sorted({*members, target})
+            await self.meta.propose({"op": "set_meta_members", "members": members})
+        phase("place")
+        await _retry(lambda: change(self.meta.group, "add", self._address(target)), deadline,
+                     f"metadata group add of node {target}")  # 2. add
+        commit = int(self.meta.group.status()["commit_index"])
+        phase("add")
+        while ((await self._applied(target)) or 0) < commit:  # 3. catch up
+            _check(deadline, f"node {target}'s metadata replica to reach index {commit}")
+            await asyncio.sleep(_POLL)
+        report.caught_up_index = commit
+        phase("catch_up")
+        if self.meta.address == self._address(source):  # 4. a leader cannot remove itself
+            report.leader_moved = True
+            await _retry(lambda: change(self.meta.group, "transfer", self._address(target)), deadline,
+                         f"metadata leadership to node {target}")
+            log.info("metadata: leadership handed to node %d; its rebalancer finishes the move", target)
+            return None
+        await _retry(lambda: change(self.meta.group, "remove", self._address(source)), deadline,
+                     f"metadata group removal of node {source}")  # 5. remove
+        phase("remove")
+        await self.meta.propose({"op": "set_meta_members",  # 6. retire
+                                 "members": [n for n in self.meta.state().meta_members if n != source]})
+        phase("retire")
+        report.seconds = time.monotonic() - started
+        log.info("metadata replica moved from node %d to node %d in %.2f s %s", source, target,
+                 report.seconds, report.to_json()["phases"])
+        return report
+
+
+async def _retry(call: Callable[[], Any], deadline: float, what: str) -> None:
+    while True:
+        try:
+            return await call()
+        except RetryableError as exc:  # REQUEST_DENIED while a change is pending, ...
+            log.info("%s: %s; retrying", what, exc)
+        _check(deadline, what)
+        await asyncio.sleep(_POLL * 4)
+
+
 class MetaStore:
     """Assignments in the metadata Raft group (``kvps.meta_service.MetaService``); used on its
     leader, whose applied state is current once a proposal returns."""
@@ -270,9 +361,11 @@ class Rebalancer:
     replicated (``rebalance`` in the metadata state), so every node shows it and a new leader
     resumes an interrupted move."""
 
-    def __init__(self, meta: Any, mover: Mover, replicas: int, *, period: float = 0.5) -> None:
+    def __init__(self, meta: Any, mover: Mover, replicas: int, *, period: float = 0.5,
+                 meta_mover: MetaMover | None = None) -> None:
         self.meta = meta
         self.mover = mover
+        self.meta_mover = meta_mover
         self.replicas = replicas
         self.period = period
         self.failures = 0  # consecutive failed steps (back-off)
@@ -294,12 +387,16 @@ class Rebalancer:
 
     async def step(self) -> bool:
         """One move, or one drained node marked removed; False when there was nothing to do."""
-        from kvps.meta import plan_move
+        from kvps.meta import plan_meta_move, plan_move
         state = self.meta.state()
         move = plan_move(state, self.replicas)
+        meta_move = plan_meta_move(state) if move is None and self.meta_mover is not None else None
+        if meta_move is not None:
+            return await self._meta_step(state, *meta_move)
         if move is None:
             for node in state.nodes:
-                if node["state"] == "draining" and not state.assignment.shards_of(node["id"]):
+                if node["state"] == "draining" and not state.assignment.shards_of(node["id"]) \
+                        and node["id"] not in state.meta_members:
                     await self.meta.propose({"op": "set_node_state", "id": node["id"], "state": "removed"})
                     log.info("rebalancer: node %d drained and removed", node["id"])
                     return True
@@ -320,5 +417,20 @@ class Rebalancer:
             return True
         await self.meta.propose({"op": "rebalance", "moving": None, "moves_done": done + 1,
                                  "last": report.to_json()})
+        self.failures = 0
+        return True
+
+    async def _meta_step(self, state: Any, source: int, target: int) -> bool:
+        assert self.meta_mover is not None
+        if not state.rebalance.get("moving"):
+            await self.meta.propose({"op": "rebalance", "moving": {"meta": True, "source": source,
+                                                                   "target": target}})
+        log.info("rebalancer: moving the metadata replica from node %d to node %d", source, target)
+        report = await self.meta_mover.move(source, target)
+        if report is None:
+            return True  # leadership moved away: the new leader goes on
+        await self.meta.propose({"op": "rebalance", "moving": None,
+                                 "moves_done": int(state.rebalance.get("moves_done", 0)) + 1,
+                                 "last": {**report.to_json(), "meta": True}})
         self.failures = 0
         return True

@@ -22,12 +22,13 @@ pytestmark = pytest.mark.cluster
 SEED = int(os.environ.get("KVPS_ELASTIC_SEED", "1"))
 
 
-def run_grow_and_shrink(cluster: ChaosCluster) -> GrowShrink:
+def run_grow_and_shrink(cluster: ChaosCluster, **kwargs) -> GrowShrink:
     """Start ``cluster``, run the scenario, assert its verdicts; logs on failure, stopped always."""
     try:
         cluster.start(timeout=120)
-        res = asyncio.run(grow_and_shrink(cluster, seed=SEED))
-        print(f"elastic: seed {SEED}, {res.acked} pushes acknowledged, joined {res.joined}, {res.timings}")
+        res = asyncio.run(grow_and_shrink(cluster, seed=SEED, **kwargs))
+        print(f"elastic: seed {SEED}, {res.acked} pushes acknowledged, joined {res.joined}, "
+              f"drained {res.drained}, {res.timings}")
         assert not res.failures(), res.explain()
         # the shared checks, spelled out: nothing lost or applied twice, even spread both ways
         assert all(v == (res.acked, res.acked) for v in res.values.values())
@@ -46,8 +47,18 @@ def test_grow_3_to_5_then_shrink_to_3_while_pushes_stream(tmp_path):
                                      server=ServerConfig(), seed=SEED))
 
 
-def test_draining_a_metadata_node_is_refused_with_a_typed_error(cluster_factory):
-    """Nodes 0-2 run the metadata group, whose replicas do not move: a drain is refused up front
+def test_draining_node_0_moves_its_metadata_replica_too_while_pushes_stream(tmp_path):
+    """Node 0 runs a metadata replica: draining it moves its shard replicas away, then its
+    metadata replica to the joined node (one change at a time), then removes it; the metadata
+    group goes on with nodes 1-3 and nothing acknowledged is lost or applied twice."""
+    res = run_grow_and_shrink(ChaosCluster(tmp_path / "cluster", nodes=3, shards=4, raft=RaftConfig(),
+                                           server=ServerConfig(), seed=SEED), joins=1, drain=[0])
+    assert res.shrunk["meta_members"] == [1, 2, 3]
+    assert res.shrunk["rebalance"]["last"].get("meta") is True  # the metadata replica moved last
+
+
+def test_draining_a_metadata_node_without_a_node_to_take_its_replica_is_refused(cluster_factory):
+    """With only the three metadata nodes, none can be drained: the drain is refused up front
     (``NotDrainable``, HTTP 409) and nothing changes, instead of a drain that never finishes."""
     cluster = cluster_factory(nodes=3, shards=1).start(timeout=120)
     cli = subprocess.run(python_module_args("kvps.cli", "node", "drain", "0", "--endpoint", cluster.endpoints[2],
@@ -56,6 +67,7 @@ def test_draining_a_metadata_node_is_refused_with_a_typed_error(cluster_factory)
                          timeout=120, check=False)
     assert cli.returncode == 1, cli
     assert "kvps node drain: NotDrainable:" in cli.stderr and "metadata Raft group" in cli.stderr, cli.stderr
+    assert "Join a node first" in cli.stderr
     req = urllib.request.Request(cluster.endpoints[0] + "/v1/nodes/1/drain", data=b"{}", method="POST",
                                  headers={"Authorization": f"Bearer {cluster.token}"})
     with pytest.raises(urllib.error.HTTPError) as refused:

@@ -60,7 +60,7 @@ def test_pysyncobj_membership_internals_are_where_we_expect():
 
 # ---- the metadata state machine and the rebalancing plan ----------------------------------------
 
-from kvps.meta import MetaState, meta_address, plan_move  # noqa: E402
+from kvps.meta import MetaState, meta_address, plan_meta_move, plan_move  # noqa: E402
 
 
 def settle(state: MetaState, replicas: int = 3, limit: int = 100) -> list[tuple[int, int, int]]:
@@ -125,6 +125,35 @@ def test_an_interrupted_move_is_resumed_first_and_stale_assignments_conflict():
     assert plan_move(state, 3) == (5, 0, 3)
     stale = state.assignment.to_json()  # same version: does not follow the current one
     assert state.apply({"op": "set_assignment", "assignment": stale}).get("conflict")
+
+
+def test_a_draining_metadata_node_hands_its_shards_over_first_then_its_metadata_replica():
+    state = MetaState.initial(cfg(3, 4))
+    add_node(state, 9000)
+    settle(state)
+    assert state.apply({"op": "set_node_state", "id": 0, "state": "draining"})["ok"]
+    assert plan_meta_move(state) is None  # its shard replicas move first
+    settle(state)
+    assert state.assignment.shards_of(0) == [] and plan_move(state, 3) is None
+    assert state.apply({"op": "set_node_state", "id": 0, "state": "removed"})["error"]  # still a member
+    assert plan_meta_move(state) == (0, 3)
+    state.apply({"op": "rebalance", "moving": {"meta": True, "source": 0, "target": 3}})
+    assert plan_move(state, 3) is None and plan_meta_move(state) == (0, 3)  # resumed first
+    # one change at a time: add the target, then drop the source
+    assert state.apply({"op": "set_meta_members", "members": [1, 2, 3]})["error"]
+    assert state.apply({"op": "set_meta_members", "members": [0, 1, 2, 3]})["ok"]
+    assert state.apply({"op": "set_meta_members", "members": [1, 2, 3]})["ok"]
+    state.apply({"op": "rebalance", "moving": None})
+    assert plan_meta_move(state) is None and state.meta_members == [1, 2, 3]
+    assert state.apply({"op": "set_node_state", "id": 0, "state": "removed"})["ok"]
+    assert state.apply({"op": "set_meta_members", "members": [0, 1, 2, 3]})["error"]  # removed
+
+
+def test_metadata_states_from_before_meta_members_restore_with_the_first_three():
+    state = MetaState.initial(cfg(4, 4))
+    data = state.to_json()
+    del data["meta_members"]
+    assert MetaState.from_json(data).meta_members == [0, 1, 2]
 
 
 def test_meta_snapshot_round_trips_byte_identically():

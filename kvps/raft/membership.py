@@ -39,7 +39,7 @@ from pysyncobj.monotonic import monotonic
 
 from kvps.raft.bridge import error_for
 
-__all__ = ["change", "hold_elections", "members"]
+__all__ = ["change", "hears_leader", "hold_elections", "members"]
 
 _OPS = ("add", "remove", "transfer")
 
@@ -47,6 +47,15 @@ _OPS = ("add", "remove", "transfer")
 def members(group: Any) -> list[str]:
     """Raft addresses of the group's members as this replica sees them (itself included), sorted."""
     return sorted({group.selfNode.address, *(n.address for n in group.otherNodes)})
+
+
+def hears_leader(group: Any) -> bool:
+    """Whether this replica leads, or has heard from its leader within an election timeout. A
+    replica removed from its group keeps its last leader for good: nobody sends to it any more,
+    and pysyncobj starts no election while it is connected to no one."""
+    if group._isLeader():
+        return True
+    return group._getLeader() is not None and group._SyncObj__raftElectionDeadline >= monotonic()
 
 
 def hold_elections(group: Any, seconds: float) -> None:
