@@ -164,7 +164,12 @@ class SGD(Optimizer):
             buf = np.where(_first(step, value), g, buf)  # torch: buf = clone(grad) on step 1
             new_state["momentum_buffer"] = buf
             g = g + m * buf if self.nesterov else buf
-        return value + _coef(-self.lr, value) * g, new_state  # torch: param.add_(g, alpha=-lr)
+        # torch: param.add_(g, alpha=-lr). value + (coef * g), computed in one new array: the
+        # same two roundings as the expression, one temporary fewer per block.
+        out = np.multiply(g, _coef(-self.lr, value))
+        if not isinstance(out, np.ndarray) or out.shape != np.shape(value):  # 0-d: a scalar
+            return value + out, new_state
+        return np.add(value, out, out=out), new_state
 
 
 @dataclass(frozen=True)
