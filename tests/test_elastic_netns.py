@@ -46,3 +46,12 @@ def test_grow_3_to_5_then_shrink_to_3_every_node_in_its_own_namespace(topo, tmp_
     assert sorted(_namespaces(topo)) == sorted([topo.hub, *(topo.ns(n) for n in range(3))]), \
         "a joined node's namespace was not removed"
     assert [n.host for n in cluster.cfg.nodes] == [topo.address(n) for n in range(3)]
+
+
+def test_draining_node_0_moves_its_metadata_replica_across_namespaces(topo, tmp_path):
+    cluster = ChaosCluster(tmp_path / "cluster", nodes=3, shards=4, raft=RaftConfig(),
+                           server=ServerConfig(), topology=topo, seed=SEED)
+    with topo.entered():
+        res = run_grow_and_shrink(cluster, joins=1, drain=[0])
+    assert res.shrunk["meta_members"] == [1, 2, 3]
+    assert {n["id"]: n["host"] for n in res.shrunk["nodes"]} == {n: topo.address(n) for n in range(4)}
