@@ -81,6 +81,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from pysyncobj.monotonic import monotonic as _monotonic
 from pysyncobj.poller import POLL_EVENT_TYPE
 from pysyncobj.tcp_connection import CONNECTION_STATE
@@ -681,7 +682,7 @@ class _PeerConnection:
         self._outBytes = 0
         self._start = 0  # parsed-up-to offset in the staging buffer
         self._end = 0  # filled-up-to offset in the staging buffer
-        self._big: bytearray | None = None  # frame too large for the staging buffer
+        self._big: np.ndarray | None = None  # frame too large for the staging buffer
         self._bigView: memoryview | None = None
         self._bigFilled = 0
         now = _monotonic()
@@ -957,7 +958,9 @@ class _PeerConnection:
                 continue
             if _HEADER.size + length > len(buf):
                 have = self._end - body
-                self._big = bytearray(length)  # length <= cap, checked above
+                # length <= cap, checked above; np.empty: every byte is received into it,
+                # so zero-filling it first (bytearray(length)) was one more pass per entry
+                self._big = np.empty(length, np.uint8)
                 self._bigView = memoryview(self._big)
                 self._bigView[:have] = self._staging[body:self._end]
                 self._bigFilled = have
