@@ -34,6 +34,7 @@ class ChaosCluster(LocalCluster):
         self.seed = seed
         self.proxies: dict[int, subprocess.Popen] = {}
         self.joined: dict[int, subprocess.Popen] = {}  # nodes started with join_node, by id
+        self.join_ports: dict[int, int] = {}  # loopback: the admin port each joined node was given
         super().__init__(data_dir, nodes=nodes, shards=shards, replicas=3,
                          port=NETNS_PORT if topology else None, raft=raft, server=server,
                          env={"KVPS_LOG_LEVEL": "info"})
@@ -100,18 +101,27 @@ class ChaosCluster(LocalCluster):
         """Start ``kvps node join`` for one more node; the caller drains it (its process then
         exits by itself) and calls ``release_node``. ``node_id`` is the id the cluster will give
         it (ids are never reused: the number of nodes it has known); it names the data dir and,
-        in namespace mode, the node's namespace and address. A joined node gets no delay proxy:
+        in namespace mode, the node's namespace and address. The same call again after
+        ``release_node`` restarts that node (a repeated join gets the same id back). A joined node gets no delay proxy:
         the membership fault runs alone, so no delay fault ever targets it."""
-        from kvps.local import free_port_base
+        from kvps.local import free_port_base, ports_free, wait_until
         from kvps.process import python_module_args
         if node_id in self.joined:
             raise RuntimeError(f"node {node_id} was already started by this harness")
-        if self.topology is None:
-            host, port = "127.0.0.1", free_port_base(2 * self.cfg.shards + 2, seed=self.seed * 1000 + node_id)
+        count = 2 * self.cfg.shards + 2
+        if self.topology is None and node_id in self.join_ports:  # a restart: the same ports
+            host, port = "127.0.0.1", self.join_ports[node_id]
+            # The admin port must be free for the node to start; a replica whose port an outgoing
+            # connection holds for a moment is restarted by its node.
+            wait_until(lambda: ports_free(port, 1), 60, f"node {node_id}'s admin port to be free", 0.1)
+        elif self.topology is None:
+            host, port = "127.0.0.1", free_port_base(count, seed=self.seed * 1000 + node_id)
+            self.join_ports[node_id] = port
         else:
             host, port = self.topology.add_node(node_id), NETNS_PORT
         data = self.data_dir / f"joined-{node_id}"
-        args = python_module_args("kvps.cli", "node", "join", "--seed", self.endpoints[0],
+        seed = next((n.admin_url for n in self.cfg.nodes if self.node_pid(n.id)), self.endpoints[0])
+        args = python_module_args("kvps.cli", "node", "join", "--seed", seed,
                                   "--host", host, "--port", str(port), "--data-dir", str(data))
         try:
             proc = spawn(self.node_command(node_id, args), data / "node.log", new_session=True,

@@ -10,12 +10,12 @@ tests and the chaos fault judge alike.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -33,7 +33,7 @@ def meta(cluster: LocalCluster, timeout: float = 5.0) -> dict[str, Any] | None:
         try:
             with urllib.request.urlopen(url + "/v1/meta", timeout=timeout) as r:
                 return json.loads(r.read())
-        except (OSError, ValueError):
+        except (OSError, ValueError, http.client.HTTPException):  # e.g. a node restarting
             continue
     return None
 
@@ -71,7 +71,7 @@ def _state_hash(url: str, token: str) -> tuple[str, int] | None:
         with urllib.request.urlopen(req, timeout=2) as resp:
             m = frame.decode(resp.read()).meta
             return m["hash"], m["applied_index"]
-    except (OSError, ValueError, urllib.error.URLError):
+    except (OSError, ValueError, http.client.HTTPException):
         return None
 
 

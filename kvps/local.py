@@ -24,7 +24,7 @@ from kvps.config import ClusterConfig, NodeConfig, RaftConfig, ServerConfig, dum
 from kvps.errors import Unavailable
 from kvps.process import python_module_args, spawn, stop_process
 
-__all__ = ["LocalCluster", "free_port_base", "wait_until"]
+__all__ = ["LocalCluster", "free_port_base", "ports_free", "wait_until"]
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, period: float = 0.05) -> Any:
@@ -49,13 +49,18 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def ports_free(base: int, count: int) -> bool:
+    """Whether ports ``base`` .. ``base + count - 1`` are all free right now."""
+    return all(_port_free(p) for p in range(base, base + count))
+
+
 def free_port_base(count: int, *, seed: int | None = None) -> int:
     """A base port such that ``count`` consecutive ports are free right now."""
     import random
     rng = random.Random(seed if seed is not None else os.getpid() ^ time.monotonic_ns())
     for _ in range(200):
         base = rng.randrange(20000, 60000 - count)
-        if all(_port_free(p) for p in range(base, base + count)):
+        if ports_free(base, count):
             return base
     raise Unavailable(f"no block of {count} free ports found")
 

@@ -9,8 +9,8 @@ a little behind; every reader compares versions, which only grow); a replica tha
 
 Nodes that do not run a metadata replica read the map from one that does (``GET /v1/meta``). A
 node follows ``meta_members`` (persisted in ``meta_members.json`` next to ``assignment.json``): it
-starts a replica that joins the group when it is added, and stops and deletes its replica when it
-is dropped (``kvps.rebalance.MetaMover`` moves one, like a shard replica).
+starts a replica that joins the group when it is added, and stops its replica when it is dropped
+(``kvps.rebalance.MetaMover`` moves one, like a shard replica).
 """
 from __future__ import annotations
 
@@ -149,18 +149,18 @@ class NodeMembership:
             Rebalancer(self.meta, mover, self.node.cfg.replicas, meta_mover=meta_mover).run())
 
     async def _stop_meta(self) -> None:
-        """This node's metadata replica was removed from the group: stop it, delete its journal
-        (a stale one must never rejoin), and follow the members from now on."""
+        """This node's metadata replica was removed from the group: stop it and follow the
+        members from now on. Its journal stays (the journal's own threads may still write it);
+        ``meta_members.json``, written first, keeps a restart from starting it again, and only a
+        drain removes a metadata replica, so the node itself is removed next."""
         import asyncio
-        import shutil
         meta, task, self.meta, self._rebalancer = self.meta, self._rebalancer, None, None
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         if meta is not None:
             await asyncio.to_thread(meta.stop)
-            await asyncio.to_thread(shutil.rmtree, meta.journal_dir, True)
-        log.info("node %d: no longer runs a metadata replica; its data is deleted", self.node.node_id)
+        log.info("node %d: no longer runs a metadata replica", self.node.node_id)
 
     async def _follow_members(self, members: list[int]) -> None:
         if members == self.meta_ids:

@@ -79,6 +79,11 @@ class Node:
         self.config_path = config_path
         self.data_dir = data_dir
         self.token = token
+        # The node list as last followed (joined nodes): a restart must know the nodes its
+        # assignment and the metadata group name before it can ask them for a newer list.
+        nodes_path = self.data_dir / "nodes.json"
+        if nodes_path.exists():
+            self.follow_nodes(json.loads(nodes_path.read_text()))
         # Which shards this node hosts: the config's placement until replicas move (the metadata
         # group's assignment, followed by self.membership; persisted so a restart keeps it).
         self.assignment = self._load_assignment()
@@ -182,6 +187,11 @@ class Node:
                     for n in nodes)
         if new != self.cfg.nodes:
             self.cfg = dataclasses.replace(self.cfg, nodes=new)
+            path = self.data_dir / "nodes.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(nodes))
+            os.replace(tmp, path)
 
     def request_stop(self) -> None:
         if self._stop_event is not None:

@@ -27,7 +27,7 @@ A draining node that runs a metadata replica hands it over last (``MetaMover``),
 steps on the metadata group itself: the target joins the member list (its node starts a replica
 that joins the group), the leader adds it, waits until it has caught up, hands leadership away
 if it is the source itself (the new leader's rebalancer finishes the move), removes the source,
-and drops it from the member list (its node stops that replica and deletes its journal).
+and drops it from the member list (its node stops that replica).
 """
 from __future__ import annotations
 

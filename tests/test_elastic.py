@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import subprocess
@@ -11,19 +12,20 @@ import urllib.request
 
 import pytest
 
-from conftest import dump_logs
+from conftest import dump_logs, wait_for
 from kvps.config import RaftConfig, ServerConfig
 from kvps.process import python_module_args
 from kvps_chaos.cluster import ChaosCluster
-from kvps_chaos.elastic import GrowShrink, grow_and_shrink, meta, print_logs
+from kvps_chaos.elastic import GrowShrink, grow_and_shrink, meta, print_logs, replicas_agree, settled
 
 pytestmark = pytest.mark.cluster
 
 SEED = int(os.environ.get("KVPS_ELASTIC_SEED", "1"))
 
 
-def run_grow_and_shrink(cluster: ChaosCluster, **kwargs) -> GrowShrink:
-    """Start ``cluster``, run the scenario, assert its verdicts; logs on failure, stopped always."""
+def run_grow_and_shrink(cluster: ChaosCluster, then=None, **kwargs) -> GrowShrink:
+    """Start ``cluster``, run the scenario, assert its verdicts, then ``then(cluster, result)``;
+    logs on failure, stopped always."""
     try:
         cluster.start(timeout=120)
         res = asyncio.run(grow_and_shrink(cluster, seed=SEED, **kwargs))
@@ -33,6 +35,8 @@ def run_grow_and_shrink(cluster: ChaosCluster, **kwargs) -> GrowShrink:
         # the shared checks, spelled out: nothing lost or applied twice, even spread both ways
         assert all(v == (res.acked, res.acked) for v in res.values.values())
         assert res.grown and res.shrunk and res.agreed
+        if then is not None:
+            then(cluster, res)
         return res
     except BaseException:
         dump_logs(cluster)
@@ -55,6 +59,44 @@ def test_draining_node_0_moves_its_metadata_replica_too_while_pushes_stream(tmp_
                                            server=ServerConfig(), seed=SEED), joins=1, drain=[0])
     assert res.shrunk["meta_members"] == [1, 2, 3]
     assert res.shrunk["rebalance"]["last"].get("meta") is True  # the metadata replica moved last
+
+
+def _own_view(cluster: ChaosCluster, node_id: int) -> dict | None:
+    """Node ``node_id``'s ``/v1/meta`` if it comes from its own metadata replica hearing a leader."""
+    m = meta(cluster) or {"nodes": []}
+    node = next((n for n in m["nodes"] if n["id"] == node_id), None)
+    if node is None:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://{node['host']}:{node['admin_port']}/v1/meta", timeout=2) as r:
+            view = json.loads(r.read())
+    except (OSError, ValueError, http.client.HTTPException):  # it may be restarting
+        return None
+    mine = view["raft"]["address"] == f"{node['host']}:{node['port_base'] + 2 * cluster.cfg.shards}"
+    return view if mine and view["raft"]["leader"] else None
+
+
+def test_moved_metadata_replicas_restart_from_their_journals_and_the_group_goes_on(tmp_path):
+    """After node 0's metadata replica moved to node 3 (whose process the scenario stopped), node 3
+    restarts by the same ``kvps node join`` and node 1 is killed with -9 and restarted: both run
+    their metadata replicas again from ``meta_members.json`` and their journals; then the group
+    still takes a join and the replicas spread onto the new node."""
+    def restart_members(cluster: ChaosCluster, res: GrowShrink) -> None:
+        assert 3 not in cluster.joined  # the scenario stopped node 3's process
+        cluster.join_node(3)
+        wait_for(lambda: _own_view(cluster, 3), 120, "node 3's metadata replica to hear a leader again")
+        cluster.kill_node(1)
+        cluster.start_node(1)
+        views = wait_for(lambda: (lambda v: all(v) and v)([_own_view(cluster, n) for n in (1, 2, 3)]), 120,
+                         "nodes 1-3 to run their metadata replicas again, hearing a leader")
+        assert all(v["meta_members"] == [1, 2, 3] for v in views)
+        cluster.join_node(4)
+        wait_for(lambda: settled(cluster, [1, 2, 3, 4]), 180, "replicas to spread onto node 4")
+        wait_for(lambda: replicas_agree(cluster), 60, "every shard's replicas to agree")
+
+    run_grow_and_shrink(ChaosCluster(tmp_path / "cluster", nodes=3, shards=4, raft=RaftConfig(),
+                                     server=ServerConfig(), seed=SEED),
+                        then=restart_members, joins=1, drain=[0])
 
 
 def test_draining_a_metadata_node_without_a_node_to_take_its_replica_is_refused(cluster_factory):
