@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kills", type=int, default=None, help="B3 leader kills")
     p.add_argument("--shards", type=int, default=None, help="kvps cluster shards (default 8)")
     p.add_argument("--fsync", choices=("never", "interval", "always"), default=None,
-                   help="kvps journal fsync policy (default never, as the Redis peer persists nothing)")
+                   help="kvps journal fsync policy (default interval, kvps's own default)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 

@@ -118,7 +118,7 @@ def _b1_md(r: dict) -> list[str]:
             "MB/s = steps × 2 × model size. CPU ms/step: the server processes (replicas and nodes, "
             "redis-servers, the RPC server) and the workers, per step in the window. "
             f"kvps journal fsync policy: `{m.get('kvps_cluster', {}).get('fsync', 'interval')}` "
-            "(Redis runs with persistence off)."),
+            "(kvps's default; Redis runs with persistence off)."),
             "",
             "| system | steps/s | MB/s moved | step p50 ms | server CPU ms/step | worker CPU ms/step | load | semantics |",
             "|---|---:|---:|---:|---:|---:|---:|---|"]
