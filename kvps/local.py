@@ -54,12 +54,29 @@ def ports_free(base: int, count: int) -> bool:
     return all(_port_free(p) for p in range(base, base + count))
 
 
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out to outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port_base(count: int, *, seed: int | None = None) -> int:
-    """A base port such that ``count`` consecutive ports are free right now."""
+    """A base port such that ``count`` consecutive ports are free right now.
+
+    Below the ephemeral range when it leaves room: a port a replica gives up (its replica moved
+    away) can otherwise become the local port of some process's long-lived outgoing connection,
+    and the replica that moves back to it cannot bind for as long as that connection lives (seen
+    in tests/test_elastic.py, a replica retrying its bind for minutes)."""
     import random
     rng = random.Random(seed if seed is not None else os.getpid() ^ time.monotonic_ns())
+    low, high = 10000, min(_ephemeral_low(), 60000)
+    if high - low < count + 1000:  # an unusual ephemeral range: take what there is
+        low, high = 20000, 60000
     for _ in range(200):
-        base = rng.randrange(20000, 60000 - count)
+        base = rng.randrange(low, high - count)
         if ports_free(base, count):
             return base
     raise Unavailable(f"no block of {count} free ports found")
