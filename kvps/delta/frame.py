@@ -79,29 +79,11 @@ FLAG_XXH3 = 0x1  # the u32 sums are XXH3-64's low 32 bits (without it: CRC-32)
 _MASK32 = 0xFFFFFFFF
 
 
-def _xxh3_32(data, seed_parts: tuple = ()) -> int:
-    h = xxhash.xxh3_64()
-    for part in seed_parts:
-        h.update(part)
-    h.update(data)
-    return h.intdigest() & _MASK32
+def _xxh3_32(data) -> int:
+    return xxhash.xxh3_64_intdigest(data) & _MASK32
 
 
-def _crc32(data, seed_parts: tuple = ()) -> int:
-    crc = 0
-    for part in seed_parts:
-        crc = zlib.crc32(part, crc)
-    return zlib.crc32(data, crc)
-
-
-def _array_sum(flags: int):
-    """The per-array checksum function for frames with ``flags``."""
-    if flags & FLAG_XXH3:
-        return lambda wire: xxhash.xxh3_64_intdigest(wire) & _MASK32
-    return zlib.crc32
-
-
-_CHECKSUMS = {0: _crc32, FLAG_XXH3: _xxh3_32}
+_CHECKSUMS = {0: zlib.crc32, FLAG_XXH3: _xxh3_32}  # flags -> the checksum of every u32 sum field
 
 _HEADER = struct.Struct("<4sBBHIII")
 _DESCR = struct.Struct("<BBBxIQQ")
@@ -194,18 +176,17 @@ def encode_parts(
         raise CodecError(f"{len(arrays)} arrays, cap {MAX_ARRAYS}")
     descr: list[bytes] = []
     wires: list[bytes | memoryview] = []
-    array_sum = _array_sum(FLAG_XXH3)
     for item, array_codec in zip(arrays, codecs):
         code, arr = _normalize(item)
         if arr.ndim > MAX_NDIM:
             raise CodecError(f"array has {arr.ndim} dims, cap {MAX_NDIM}")
         codec_code, wire = _codec.compress(arr, array_codec)
-        descr.append(_DESCR.pack(code, codec_code, arr.ndim, array_sum(wire), arr.nbytes, len(wire)))
+        descr.append(_DESCR.pack(code, codec_code, arr.ndim, _xxh3_32(wire), arr.nbytes, len(wire)))
         descr.extend(_DIM.pack(d) for d in arr.shape)
         wires.append(wire)
     descr_bytes = b"".join(descr)
     meta_raw = _meta_bytes(meta, len(descr_bytes))
-    header_sum = _xxh3_32(descr_bytes, (meta_raw,))
+    header_sum = _xxh3_32(meta_raw + descr_bytes)  # both small: the arrays are not in it
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, kind, FLAG_XXH3, len(meta_raw), len(wires), header_sum)
     return [header + meta_raw + descr_bytes, *wires]
 
@@ -325,7 +306,7 @@ def _decode_v1(view: memoryview, kind: int, flags: int, meta_len: int, n_arrays:
         raise CodecError("wire sizes do not add up to the payload length")
     meta = _decode_meta(view[meta_start : meta_start + meta_len])
     arrays = []
-    array_sum = _array_sum(flags)
+    array_sum = _CHECKSUMS[flags]
     for d in descrs:
         arrays.append(_decode_array(d, view[payload : payload + d.wire_size], array_sum))
         payload += d.wire_size
