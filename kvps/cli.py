@@ -160,7 +160,7 @@ def _get_json(url: str, timeout: float = 3.0, cafile: str | None = None) -> dict
 def format_status(cmap: dict) -> str:
     """One line per shard: leader, term, the worst follower lag, health, then every replica."""
     lines = [f"{'shard':>5}  {'leader':>6}  {'term':>5}  {'lag':>5}  {'health':<9}  "
-             f"replicas (node:role applied)"]
+             f"replicas (node:role applied; R: recovering)"]
     degraded = 0
     for shard in cmap["shards"]:
         reps = shard["replicas"]
@@ -170,8 +170,9 @@ def format_status(cmap: dict) -> str:
         alive = sum(1 for r in reps if r.get("alive"))
         health = "ok" if leader and alive == len(reps) else ("degraded" if leader else "NO LEADER")
         degraded += health != "ok"
-        cells = "  ".join(f"{r['node']}:{(r.get('role') or '?')[:1].upper()} {r.get('applied_index') or '-'}"
-                          for r in reps)
+        # "R": recovering (its lost data replaced; no vote until caught up, kvps/raft/recovery.py)
+        cells = "  ".join(f"{r['node']}:{'R' if r.get('recovering') else (r.get('role') or '?')[:1].upper()} "
+                          f"{r.get('applied_index') or '-'}" for r in reps)
         lines.append(f"{shard['id']:>5}  {'-' if leader is None else leader['node']:>6}  "
                      f"{shard['term'] or 0:>5}  {lag if leader else '-':>5}  {health:<9}  {cells}")
     nodes = ", ".join(f"{n['id']}:{'up' if n['reachable'] else 'DOWN'}"

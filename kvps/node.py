@@ -30,6 +30,7 @@ from kvps.meta_service import NodeMembership
 from kvps.metrics import CONTENT_TYPE, NodeMetrics, merge_expositions
 from kvps.openapi import document
 from kvps.process import python_module_args, spawn, stop_process
+from kvps.raft import recovery
 from kvps.snapshot_api import SnapshotService
 
 __all__ = ["Node"]
@@ -102,6 +103,9 @@ class Node:
         args = python_module_args("kvps.cli", "replica", "--config", str(self.config_path),
                                   "--node", str(self.node_id), "--shard", str(rp.shard),
                                   *self._membership_args(rp.shard))
+        if recovery.prepare_start(self.data_dir, f"shard-{rp.shard}"):
+            log.warning("node %d: the data of its replica of shard %d is gone; it restarts empty "
+                        "and withholds its vote until it has caught up", self.node_id, rp.shard)
         log_path = self.data_dir / "logs" / f"shard-{rp.shard}.log"
         rp.proc = spawn(args, log_path, env=REPLICA_ENV)
         rp.started_at = time.monotonic()
@@ -176,6 +180,7 @@ class Node:
                 stop_process(rp.proc, timeout=5.0)
             # Its Raft group no longer counts it: a stale journal must never rejoin it.
             shutil.rmtree(self.data_dir / f"shard-{rp.shard}", ignore_errors=True)
+            recovery.forget_hosted(self.data_dir, f"shard-{rp.shard}")
             log.info("node %d: stopped hosting shard %d; its data is deleted", self.node_id, rp.shard)
 
     def follow_nodes(self, nodes: list[dict[str, Any]]) -> None:
@@ -258,7 +263,7 @@ class Node:
                 "role": st.get("role", "unknown"), "term": st.get("term"),
                 "leader": st.get("leader"), "serving": st.get("serving", False),
                 "commit_index": st.get("commit_index"), "applied_index": st.get("applied_index"),
-                "log_entries": st.get("log_entries"),
+                "log_entries": st.get("log_entries"), "recovering": st.get("recovering", False),
             })
         return {"node": self.node_id, "admin_url": self.cfg.node(self.node_id).admin_url,
                 "replicas": replicas}

@@ -717,6 +717,8 @@ class Replica:
             "commit_index": st["commit_index"], "applied_index": st["applied_index"],
             "log_entries": st["log_entries"], "compactions": st.get("compactions"),
             "tick_stalls": st.get("tick_stalls"),
+            # its lost data was replaced: no vote until it has caught up (kvps.raft.recovery)
+            "recovering": st["recovering"], "votes_withheld": st["votes_withheld"],
             "in_flight_bytes": self._batcher.accepted_bytes if self._batcher else 0,
             "counters": dict(self.counters),
             "peers": self.peer_lag() if st["role"] == "leader" else {},

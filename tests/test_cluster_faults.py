@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
 import time
 import urllib.error
@@ -16,6 +17,7 @@ from kvps.config import ServerConfig
 from kvps.delta import frame
 from kvps.local import wait_until
 from kvps.placement import block_shard
+from kvps.raft import recovery
 
 pytestmark = pytest.mark.cluster
 
@@ -109,6 +111,42 @@ def test_follower_restart_catches_up_from_journal(cluster_factory):
     wait_until(lambda: converged(cluster, shard), 30, "the restarted follower to catch up")
     restarted = cluster.replica(shard, follower["node"])
     assert restarted["pid"] != follower["pid"]
+
+
+def test_a_replica_whose_data_is_lost_recovers_without_voting_then_votes_again(cluster_factory):
+    """A follower's shard directory deleted while its node is down: the node knows it hosted that
+    replica (its ``hosted`` record), so it restarts it marked as recovering; the replica catches up
+    from the leader, leaves recovery (its log says so) and the marker is gone. Nothing acked is lost."""
+    cluster = cluster_factory().start()
+    shard = block_shard(KEY, 0, cluster.cfg.shards)
+
+    async def push(n: int, create: bool = False) -> tuple[float, int]:
+        async with client(cluster) as ps:
+            if create:
+                await ps.create(KEY, np.zeros(1, np.float32))
+            for _ in range(n):
+                await ps.push({KEY: np.ones(1, np.float32)})
+            value, version = await ps.get(KEY)
+            return float(value[0]), version
+
+    asyncio.run(push(20, create=True))
+    leader = cluster.leader(shard)
+    node = next(n for n in cluster.cfg.replica_nodes(shard) if n != leader["node"])
+    node_dir = cluster.data_dir / cluster.cfg.node(node).data_dir
+    assert (node_dir / "hosted" / f"shard-{shard}").exists()
+    cluster.stop_node(node)
+    shutil.rmtree(node_dir / f"shard-{shard}")
+    assert asyncio.run(push(10)) == (30.0, 30)  # the other two commit meanwhile
+    cluster.start_node(node)
+    replica_log = node_dir / "logs" / f"shard-{shard}.log"
+    wait_until(lambda: replica_log.exists() and "votes again" in replica_log.read_text(), 60,
+               "the emptied replica to catch up and leave recovery")
+    assert "recovering lost state" in replica_log.read_text()
+    assert not (node_dir / f"shard-{shard}" / recovery.MARKER).exists()
+    wait_until(lambda: (cluster.replica(shard, node) or {}).get("recovering") is False, 30,
+               "its status to say it no longer recovers")
+    wait_until(lambda: converged(cluster, shard), 30, "the replicas to converge")
+    assert asyncio.run(push(5)) == (35.0, 35)
 
 
 def test_whole_cluster_kill9_and_restart_keeps_acknowledged_pushes(cluster_factory):

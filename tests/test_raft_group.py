@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import shutil
 import struct
 import threading
 import time
@@ -21,7 +22,7 @@ from pysyncobj.syncobj import _COMMAND_TYPE
 
 from kvps.config import RaftConfig
 from kvps.errors import CodecError, InvalidRequest
-from kvps.raft import snapshot_file
+from kvps.raft import recovery, snapshot_file
 from kvps.raft.group import COMMAND_TOO_LARGE, GROUP_STOPPED, ShardGroup
 
 SECRET = b"test-secret-for-raft-groups-0123456789"
@@ -631,3 +632,47 @@ def test_a_stale_append_from_the_leader_does_not_truncate_a_follower(cluster, ca
     assert follower.transport_stats()["appends_rebased"] >= 1
     c.propose(b"after")  # and the group goes on
     assert c.wait_converged()[-1] == b"after"
+
+
+def test_a_replica_that_lost_its_data_withholds_its_vote_until_it_has_caught_up(tmp_path):
+    """Entries committed by the leader and a follower that then loses its disk live on the leader
+    only. If the emptied follower voted at once, the third, lagging member would win with its vote
+    while the leader is down and overwrite them (acknowledged writes lost). Marked as recovering,
+    it withholds its vote: no leader until the one with the entries is back; then it catches up,
+    its marker goes, and it votes again."""
+    c = Cluster(tmp_path)
+    try:
+        c.start_all()
+        c.propose(b"before")
+        c.wait_converged()
+        lead = c.leader().selfNode.address
+        lagging, emptied = [a for a in c.addresses if a != lead]
+        c.stop(lagging)
+        acked = [f"acked-{i}".encode() for i in range(5)]
+        for data in acked:  # committed by the leader and the follower about to lose its data
+            c.propose(data)
+        c.stop(emptied)
+        emptied_dir = tmp_path / emptied.replace(":", "_")
+        shutil.rmtree(emptied_dir)
+        recovery.mark(emptied_dir)  # what the node does when it restarts a replica whose data is gone
+        c.stop(lead)
+        c.start(lagging)
+        c.start(emptied)
+        assert c.groups[emptied].recovering
+        # The lagging member stands for election again and again; the emptied one never answers.
+        wait_for(lambda: c.groups[emptied].status()["votes_withheld"] >= 3, 30, "three withheld votes")
+        assert "leader" not in c.roles[lagging] and "leader" not in c.roles[emptied]
+        assert not any(g.is_leader() for g in c.groups.values())
+
+        c.start(lead)  # from its journal, with the acknowledged entries
+        c.propose(b"after")
+        seq = c.wait_converged()
+        assert seq == [b"before", *acked, b"after"], seq
+        wait_for(lambda: not c.groups[emptied].recovering, 20, "the emptied replica to finish recovering")
+        assert not (emptied_dir / recovery.MARKER).exists()
+        # It votes again: without the old leader, the other two elect one and keep every entry.
+        c.stop(lead)
+        c.propose(b"without-the-old-leader")
+        assert c.wait_converged() == [b"before", *acked, b"after", b"without-the-old-leader"]
+    finally:
+        c.stop_all()

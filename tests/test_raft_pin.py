@@ -269,6 +269,24 @@ def test_the_election_deadline_fast_failover_moves():
     assert "self._poller.poll(timeToWait)" in tick
 
 
+def test_what_recovery_of_lost_state_relies_on():
+    """kvps.raft.recovery: vote requests arrive through __onMessageReceived, which the transport
+    calls through the mangled name on self (so ShardGroup's override sees them first); every
+    election deadline comes from __generateRaftTimeout; the check reads commit index, term and
+    entries as (command, index, term)."""
+    init = src(SyncObj.__init__)
+    assert "self.__transport.setOnMessageReceivedCallback(self.__onMessageReceived)" in init
+    for name in ("_SyncObj__onMessageReceived", "_SyncObj__generateRaftTimeout"):
+        assert name in ShardGroup.__dict__, name
+    receive = src(SyncObj._SyncObj__onMessageReceived)
+    assert "if message['type'] == 'request_vote' and self.__selfNode is not None:" in receive
+    assert "monotonicTime() + self.__generateRaftTimeout()" in src(SyncObj._onTick)
+    assert params(SyncObj._SyncObj__getEntries) == ["self", "fromIDx", "count", "maxSizeBytes"]
+    assert "return self.__raftLog[-1][2]" in src(SyncObj._SyncObj__getCurrentLogTerm)
+    for name in ("_SyncObj__raftCommitIndex", "_SyncObj__raftCurrentTerm", "_SyncObj__raftElectionDeadline"):
+        assert f"self.{name.replace('_SyncObj', '')} =" in init, name
+
+
 def test_tick_thread_lifetime_we_document():
     tick = src(SyncObj._autoTickThread)
     assert "if not self.__mainThread.is_alive(): break" in tick

@@ -90,6 +90,8 @@ class FastFailover:
         group = self._group
         if group.leader_address() != address:
             return  # not the leader we follow (or we lead, or an election is already under way)
+        if getattr(group, "recovering", False):
+            return  # its vote and its candidacy wait until it has caught up (kvps.raft.recovery)
         delay = election_delay(group.selfNode.address, (n.address for n in group.otherNodes),
                                address, self._stagger, self._rng.random())
         moved = schedule_election(group, delay)

@@ -66,6 +66,7 @@ from typing import Any
 
 from pysyncobj import SyncObj, SyncObjConf, replicated
 from pysyncobj.config import FAIL_REASON, SERIALIZER_STATE
+from pysyncobj.monotonic import monotonic
 from pysyncobj.node import TCPNode
 from pysyncobj.syncobj import _COMMAND_TYPE
 
@@ -78,6 +79,7 @@ from kvps.errors import InvalidRequest
 from kvps.raft import snapshot_file
 from kvps.raft.failover import FastFailover
 from kvps.raft.journal import using_journal
+from kvps.raft.recovery import Recovery
 from kvps.raft.transport import make_transport_class
 
 __all__ = ["COMMAND_TOO_LARGE", "GROUP_STOPPED", "ShardGroup", "syncobj_options"]
@@ -164,6 +166,11 @@ class ShardGroup(SyncObj):
         self._last_tick: float | None = None
         self.tick_stalls = {"max_seconds": 0.0, "over_100ms": 0}  # tick thread gaps
         self._failover = FastFailover(self, raft.fast_failover_stagger)
+        # A replica whose lost data was replaced votes only once caught up (kvps.raft.recovery).
+        self._recovery = Recovery(journal_dir)
+        if self._recovery.active:
+            logger.warning("raft %s: recovering lost state: no vote and no election until this "
+                           "replica has caught up with a leader", self_address)
 
         conf = SyncObjConf(
             **syncobj_options(raft, journal_dir),
@@ -182,6 +189,8 @@ class ShardGroup(SyncObj):
             super().__init__(self_address, [p for p in peers if p != self_address], conf,
                              transportClass=transport)
         self.addOnTickCallback(self._note_tick_thread)
+        if self._recovery.active:
+            self.addOnTickCallback(self._check_recovered)
 
     # -- the one replicated method ------------------------------------------------------------
 
@@ -195,6 +204,27 @@ class ShardGroup(SyncObj):
         if command[:2] == _ENTRY_PREFIX:
             return self._apply_entry(memoryview(command)[2:])
         return SyncObj._SyncObj__doApplyCommand(self, command)
+
+    # -- recovery of lost state (kvps.raft.recovery) ------------------------------------------
+
+    def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # noqa: N802
+        if self._recovery.withholds(message):
+            return
+        SyncObj._SyncObj__onMessageReceived(self, node, message)
+
+    def _SyncObj__generateRaftTimeout(self) -> float:  # noqa: N802
+        if self._recovery.active:
+            return _NEVER  # no election of its own while recovering
+        return SyncObj._SyncObj__generateRaftTimeout(self)
+
+    def _check_recovered(self) -> None:
+        if self._recovery.check(self):
+            self._SyncObj__raftElectionDeadline = monotonic() + self._SyncObj__generateRaftTimeout()
+
+    @property
+    def recovering(self) -> bool:
+        """Whether this replica withholds its vote until it has caught up (lost data replaced)."""
+        return self._recovery.active
 
     def _apply_entry(self, data: bytes | memoryview) -> Any:
         index = self.raftLastApplied + 1  # pysyncobj advances lastApplied after we return
@@ -300,6 +330,8 @@ class ShardGroup(SyncObj):
             "compactions": dict(self.compactions),
             "tick_stalls": dict(self.tick_stalls),
             "fast_failovers": self._failover.scheduled,  # elections scheduled: the leader was gone
+            "recovering": self._recovery.active,  # lost data replaced: no vote until caught up
+            "votes_withheld": self._recovery.votes_withheld,
             # caught up once with a leader's commit index, and a leader is known now
             "ready": bool(self.isReady()) and leader is not None,
         }

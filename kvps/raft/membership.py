@@ -59,8 +59,10 @@ def hears_leader(group: Any) -> bool:
 
 
 def hold_elections(group: Any, seconds: float) -> None:
-    """Start no election for ``seconds`` (a joining replica; see the module doc)."""
-    group._SyncObj__raftElectionDeadline = monotonic() + seconds
+    """Start no election for ``seconds`` (a joining replica; see the module doc). Never brings
+    an election nearer (a recovering replica holds its elections for good, kvps.raft.recovery)."""
+    group._SyncObj__raftElectionDeadline = max(group._SyncObj__raftElectionDeadline,
+                                               monotonic() + seconds)
 
 
 class _TickCalls:
