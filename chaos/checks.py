@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvps_chaos.linearizability import Operation, RegisterModel, check_per_key
@@ -145,3 +146,17 @@ def percentile(values: Sequence[float], q: float) -> float | None:
         return None
     idx = min(len(values) - 1, max(0, math.ceil(q / 100 * len(values)) - 1))
     return values[idx]
+
+
+# What a replica logs when Raft overwrites entries it had already applied: its state machine has
+# diverged from the others (an acknowledged write may be lost). It must never happen.
+TRUNCATED_APPLIED = "truncating already-applied log entries"
+
+
+def raft_log_findings(data_dir: Path) -> list[str]:
+    """Every replica log line under ``data_dir`` that says applied entries were truncated."""
+    found = []
+    for path in sorted(data_dir.glob("*/logs/*.log")):
+        with open(path, errors="replace") as f:
+            found += [f"{path.relative_to(data_dir)}: {line.strip()}" for line in f if TRUNCATED_APPLIED in line]
+    return found

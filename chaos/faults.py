@@ -191,7 +191,8 @@ async def _reply_loss(ctx: FaultContext, rec: FaultRecord) -> None:
 
 async def _wipe_replica(ctx: FaultContext, rec: FaultRecord) -> None:
     """kill -9 a follower, delete its data dir, let its node restart it empty: it must catch up
-    from the leader (log or snapshot). The node supervisor is stopped meanwhile so it cannot
+    from the leader (log or snapshot), withholding its vote until then (it has forgotten entries
+    it acknowledged; kvps/raft/recovery.py). The node supervisor is stopped meanwhile so it cannot
     restart the replica on the old files."""
     cluster = ctx.cluster
     rec.shard = ctx.rng.randrange(cluster.cfg.shards)
@@ -214,9 +215,10 @@ async def _wipe_replica(ctx: FaultContext, rec: FaultRecord) -> None:
     rec.detail.update(pid=victim["pid"], leader_applied=target)
     started = time.monotonic()
 
-    def caught_up() -> bool:
+    def caught_up() -> bool:  # and left recovery: it votes again (kvps/raft/recovery.py)
         got = cluster.state_hashes(rec.shard, timeout=1.0).get(rec.node)
-        return got is not None and got[1] >= target
+        return (got is not None and got[1] >= target
+                and (cluster.replica(rec.shard, rec.node) or {}).get("recovering") is False)
 
     try:
         await asyncio.to_thread(wait_until, caught_up, 60, "the wiped replica to catch up", 0.2)

@@ -35,6 +35,9 @@ def build_report(state: Any, wl: Any, final: dict, convergence: dict, train: dic
     evals = [(s["t0"], s["eval"]) for steps in train.values() for s in steps if "eval" in s]
     loss = checks.loss_falls(evals)
     failures = _failures(counter, lin, convergence, mono, loss, faults)
+    if state.raft_findings:
+        failures.append(f"{len(state.raft_findings)} replica(s) logged that Raft truncated entries they "
+                        f"had applied (diverged state machines): {state.raft_findings[0]}")
     rel = lambda t: None if t is None else round(t - t0, 3)  # noqa: E731 - times relative to the start
     for f in faults:
         for k in ("start", "end", "ready"):
@@ -58,6 +61,7 @@ def build_report(state: Any, wl: Any, final: dict, convergence: dict, train: dic
         "replies_lost_on_purpose": wl.replies_lost,
         "leader_changes": [{**e, "t": rel(e["t"])} for e in state.leader_events],
         "timeline": _timeline(records, t0, state.workload_end),
+        "raft_findings": state.raft_findings,
         "log": state.log_lines,
     }
 

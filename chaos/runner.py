@@ -21,7 +21,7 @@ from kvps.errors import KvpsError
 from kvps.local import wait_until
 from kvps.process import spawn, stop_process
 
-from kvps_chaos import netns, training
+from kvps_chaos import checks, netns, training
 from kvps_chaos.cluster import ChaosCluster
 from kvps_chaos.faults import ALL_FAULTS, NETNS_ONLY, FaultContext, FaultRecord, run_schedule
 from kvps_chaos.progress import Progress
@@ -76,6 +76,7 @@ class RunState:
     fault_records: list[FaultRecord] = field(default_factory=list)
     leader_events: list[dict] = field(default_factory=list)
     log_lines: list[str] = field(default_factory=list)
+    raft_findings: list[str] = field(default_factory=list)  # applied entries truncated (logs)
 
 
 def resolve_mode(opts: ChaosOptions) -> tuple[str, str]:
@@ -164,6 +165,7 @@ async def _run(state: RunState, cluster: ChaosCluster) -> dict[str, Any]:
         state.log_lines.append(f"after the run: {type(exc).__name__}: {exc}")
         convergence = await asyncio.to_thread(_wait_converged, cluster, 1.0)
         convergence["not_serving"] = str(exc)
+    state.raft_findings = checks.raft_log_findings(cluster.data_dir)
     train = _read_training(cluster.data_dir.parent, opts.train_workers)
     report = build_report(state, wl, final, convergence, train)
     progress.done(report)

@@ -165,7 +165,8 @@ def test_report_of_a_failing_run_names_every_failure(tmp_path):
                             fault_records=[FaultRecord("kill-leader", 103.0, 103.1, 104.0, shard=0, node=1),
                                            FaultRecord("isolate-follower", 105, 106, 106.6, shard=1, node=0)],
                             leader_events=[{"t": 103.5, "shard": 0, "node": 2, "term": 3},
-                                           {"t": 106.5, "shard": 1, "node": 1, "term": 5}], log_lines=[])
+                                           {"t": 106.5, "shard": 1, "node": 1, "term": 5}], log_lines=[],
+                            raft_findings=["node-1/logs/shard-1.log: truncating already-applied log entries"])
     wl = SimpleNamespace(
         records=[OpRecord("counter", s, "c", 100 + t, 100.01 + t, True) for s in (0, 1) for t in range(10)],
         tally={"k": CounterTally(acked=5, versions={"c": [1, 2]})},
@@ -178,7 +179,7 @@ def test_report_of_a_failing_run_names_every_failure(tmp_path):
     report = build_report(state, wl, {"k": (4.0, 4)}, convergence, train)
     text = " | ".join(report["failures"])
     for needle in ("1 acknowledged pushes LOST", "NOT linearizable", "STATE DIVERGENCE on shard(s) [1]",
-                   "training loss did not fall"):
+                   "training loss did not fall", "Raft truncated entries they had applied"):
         assert needle in text
     assert report["faults"][0]["recovery_s"] == pytest.approx(0.01, abs=0.02)
     write_report(report, tmp_path)
@@ -186,3 +187,19 @@ def test_report_of_a_failing_run_names_every_failure(tmp_path):
     assert "FAILED" in md and "--seed 9" in md and "kill-leader" in md
     assert report["faults"][1]["elections_after_heal"] == 1 and "| 1 of 1 (a rejoining" in md
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
+
+
+def test_raft_log_findings_name_every_replica_that_truncated_applied_entries(tmp_path):
+    """The line pysyncobj logs when Raft overwrites entries a replica had applied (its state
+    machine diverged) fails a chaos run, whatever the other checks say."""
+    logs = tmp_path / "node-1" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "shard-2.log").write_text(
+        "2026-11-30 INFO kvps.replica[1]: serving\n"
+        "2026-11-30 CRITICAL pysyncobj[1]: truncating already-applied log entries from index 4 "
+        "(last applied: 8) - state machine may have diverged from other cluster members\n")
+    (logs / "shard-3.log").write_text("2026-11-30 INFO kvps.replica[2]: serving\n")
+    found = checks.raft_log_findings(tmp_path)
+    assert len(found) == 1 and found[0].startswith("node-1/logs/shard-2.log: ")
+    assert "index 4" in found[0]
+    assert checks.raft_log_findings(tmp_path / "missing") == []
