@@ -35,19 +35,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kvps.raft.journal import _fsync_dir  # one helper for every durable rename/create here
+
 __all__ = ["MARKER", "Recovery", "forget_hosted", "mark", "prepare_start"]
 
 MARKER = "raft.recovering"
 
 logger = logging.getLogger("kvps.raft")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def mark(journal_dir: Path) -> None:
