@@ -24,7 +24,7 @@ from typing import Any
 from kvps.config import ClusterConfig
 from kvps.errors import InvalidRequest, NotDrainable, Unavailable, VersionConflict
 from kvps.meta import MetaState, meta_address
-from kvps.raft import bridge
+from kvps.raft import bridge, recovery
 from kvps.raft.group import ShardGroup
 
 __all__ = ["MetaService"]
@@ -40,6 +40,9 @@ class MetaService:
         addresses = [meta_address(cfg.node(n), cfg.shards) for n in members]
         self.address = meta_address(cfg.node(node_id), cfg.shards)
         self.journal_dir = data_dir / "meta"
+        if recovery.prepare_start(data_dir, "meta"):  # its journal is gone: no vote until caught up
+            log.warning("node %d: the metadata replica's data is gone; it restarts empty and "
+                        "withholds its vote until it has caught up", node_id)
         self.group = ShardGroup(
             self_address=self.address, peers=[a for a in addresses if a != self.address],
             raft=cfg.raft, secret=secret, context="kvps/meta", journal_dir=self.journal_dir,

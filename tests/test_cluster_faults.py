@@ -114,9 +114,10 @@ def test_follower_restart_catches_up_from_journal(cluster_factory):
 
 
 def test_a_replica_whose_data_is_lost_recovers_without_voting_then_votes_again(cluster_factory):
-    """A follower's shard directory deleted while its node is down: the node knows it hosted that
-    replica (its ``hosted`` record), so it restarts it marked as recovering; the replica catches up
-    from the leader, leaves recovery (its log says so) and the marker is gone. Nothing acked is lost."""
+    """A follower's shard directory (and its metadata replica's) deleted while its node is down:
+    the node knows it hosted them (its ``hosted`` records), so it restarts them marked as
+    recovering; they catch up from their leaders, leave recovery (their logs say so) and the
+    markers are gone. Nothing acked is lost."""
     cluster = cluster_factory().start()
     shard = block_shard(KEY, 0, cluster.cfg.shards)
 
@@ -136,13 +137,17 @@ def test_a_replica_whose_data_is_lost_recovers_without_voting_then_votes_again(c
     assert (node_dir / "hosted" / f"shard-{shard}").exists()
     cluster.stop_node(node)
     shutil.rmtree(node_dir / f"shard-{shard}")
+    shutil.rmtree(node_dir / "meta")  # its metadata replica's too (the first three nodes run one)
     assert asyncio.run(push(10)) == (30.0, 30)  # the other two commit meanwhile
     cluster.start_node(node)
-    replica_log = node_dir / "logs" / f"shard-{shard}.log"
+    replica_log, node_log = node_dir / "logs" / f"shard-{shard}.log", node_dir / "logs" / "node.log"
     wait_until(lambda: replica_log.exists() and "votes again" in replica_log.read_text(), 60,
                "the emptied replica to catch up and leave recovery")
     assert "recovering lost state" in replica_log.read_text()
     assert not (node_dir / f"shard-{shard}" / recovery.MARKER).exists()
+    wait_until(lambda: "votes again" in node_log.read_text(), 60, "the metadata replica to recover")
+    assert "metadata replica's data is gone" in node_log.read_text()
+    assert not (node_dir / "meta" / recovery.MARKER).exists()
     wait_until(lambda: (cluster.replica(shard, node) or {}).get("recovering") is False, 30,
                "its status to say it no longer recovers")
     wait_until(lambda: converged(cluster, shard), 30, "the replicas to converge")
