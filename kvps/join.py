@@ -6,7 +6,9 @@
 ``join`` asks the seed (any node) to add a node at ``H:P`` (admin API; shard ports P+1 ..
 P+2*shards) to the metadata group, writes the cluster's ``cluster.toml``, ``secret`` and ``token``
 into DIR, and then runs that node in the foreground like ``kvps node`` (Ctrl-C / SIGTERM stop it;
-run the same command again to restart it: a repeated join gets the same id back). The
+run the same command again to restart it: a repeated join gets the same id back). While the
+seed cannot be reached or answers with a retryable error (no metadata leader yet, say), ``join``
+retries with backoff for ``--wait`` seconds (default 120), printing each retry. The
 rebalancer then moves replicas onto it, one at a time. ``drain`` marks a node draining: its
 replicas move away one at a time, then it is marked removed and its process exits; without
 ``--no-wait`` the command prints progress until then. Both need the cluster token.
@@ -23,7 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvps.errors import KvpsError, error_from_dict
+from kvps.errors import KvpsError, RetryableError, Unavailable, error_from_dict
 
 __all__ = ["main"]
 
@@ -43,16 +45,36 @@ def _request(method: str, url: str, token: str, body: dict | None = None, timeou
         except ValueError:
             error = KvpsError(str(exc))
         raise type(error)(f"{method} {url}: {error.message}", **error.fields) from exc
-    except (OSError, ValueError) as exc:
-        raise KvpsError(f"cannot reach {url}: {exc}") from exc
+    except OSError as exc:  # refused, reset, timed out: the node may be starting or restarting
+        raise Unavailable(f"cannot reach {url}: {exc}") from exc
+    except ValueError as exc:
+        raise KvpsError(f"{method} {url}: the reply is not JSON: {exc}") from exc
+
+
+def _retrying(call, what: str, wait: float):
+    """``call()``, retried with backoff on retryable errors until ``wait`` seconds have passed
+    (typed errors such as a bad token or a refused request fail at once)."""
+    deadline = time.monotonic() + wait
+    delay = 0.5
+    while True:
+        try:
+            return call()
+        except RetryableError as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            print(f"  {what}: {type(exc).__name__}: {exc.message}; retrying in {delay:.1f} s",
+                  file=sys.stderr, flush=True)
+            time.sleep(delay)  # backoff between attempts, not a wait on a condition
+            delay = min(2 * delay, 5.0)
 
 
 def join(args: argparse.Namespace) -> int:
     from kvps.cli import _run_node
     if not args.token:
         raise KvpsError("the cluster token is needed: --token or $KVPS_TOKEN")
-    reply = _request("POST", args.seed.rstrip("/") + "/v1/nodes", args.token,
-                     {"host": args.host, "admin_port": args.port, "port_base": args.port + 1})
+    body = {"host": args.host, "admin_port": args.port, "port_base": args.port + 1}
+    reply = _retrying(lambda: _request("POST", args.seed.rstrip("/") + "/v1/nodes", args.token, body),
+                      f"join via {args.seed}", args.wait)
     node_id = int(reply["id"])
     data_dir = Path(args.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -107,6 +129,8 @@ def main(argv: list[str]) -> int:
     j.add_argument("--data-dir", required=True)
     j.add_argument("--host", default="127.0.0.1", help="address the other nodes reach this one at")
     j.add_argument("--token", default=os.environ.get("KVPS_TOKEN"))
+    j.add_argument("--wait", type=float, default=120.0,
+                   help="seconds to keep retrying while the seed is unreachable or busy")
     d = sub.add_parser("drain", help="move a node's replicas away, then remove it")
     d.add_argument("id", type=int)
     d.add_argument("--endpoint", default=os.environ.get("KVPS_ENDPOINT", DEFAULT_ENDPOINT))
