@@ -32,6 +32,7 @@ from kvps.config import (
 from kvps.errors import CodecError, ConfigError
 from kvps.raft import journal as journal_module
 from kvps.raft.journal import MAGIC, RaftJournal, using_journal
+from kvps.raft.meta_file import META_MAGIC, SLOT
 
 HEADER = 16  # '<8sHHI'
 RECORD = 24  # '<IIQQ'
@@ -215,7 +216,7 @@ def test_delete_entries_to_rewrites_by_rename(tmp_path):
     assert entries(j) == added[4:]  # in memory at once; the file is rewritten in the background
     j._wait_rewritten()
     assert os.stat(path).st_ino != inode  # a new file, renamed over the old one
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["raft.journal"]  # no tmp left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raft.journal", "raft.journal.meta"]  # no tmp
     j.add(b"more", 9, 1)
     j.deleteEntriesTo(0)  # nothing to drop
     j._destroy()
@@ -253,7 +254,7 @@ def test_a_stale_tmp_file_is_removed_at_open(tmp_path):
     (tmp_path / "raft.journal.tmp").write_bytes(MAGIC + b"half a rewrite")
     (tmp_path / "raft.journal.meta.tmp").write_bytes(b"half a meta")
     assert entries(open_journal(path)) == added
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["raft.journal"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raft.journal", "raft.journal.meta"]
 
 
 def test_clear(tmp_path):
@@ -303,7 +304,7 @@ def test_commit_index_past_the_journal_is_clamped(tmp_path, caplog):
     assert "commit index 10 is past the journal's last entry 9" in caplog.text
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "magic", "empty"])
+@pytest.mark.parametrize("damage", ["flip-both", "truncate", "magic-both", "empty", "version-1-flip"])
 def test_corrupt_meta_is_refused(tmp_path, damage):
     path = tmp_path / "raft.journal"
     j = open_journal(path)
@@ -311,17 +312,82 @@ def test_corrupt_meta_is_refused(tmp_path, damage):
     j._destroy()
     meta = tmp_path / "raft.journal.meta"
     data = bytearray(meta.read_bytes())
-    if damage == "flip":
-        data[-1] ^= 1
+    if damage == "flip-both":  # a byte of each slot's body
+        data[30] ^= 1
+        data[SLOT + 30] ^= 1
     elif damage == "truncate":
         data = data[:-2]
-    elif damage == "magic":
-        data[:8] = b"XXXXXXXX"
-    else:
+    elif damage == "magic-both":
+        data[:8] = data[SLOT:SLOT + 8] = b"XXXXXXXX"
+    elif damage == "empty":
         data = bytearray()
+    else:  # an older kvps's format-1 file, damaged
+        data = bytearray(v1_meta(3, "a:1", 1))
+        data[-1] ^= 1
     meta.write_bytes(bytes(data))
     with pytest.raises(CodecError, match="raft journal meta"):
         open_journal(path)
+
+
+def v1_meta(term: int, vote: str | None, commit: int) -> bytes:
+    """A meta file as kvps wrote it before format 2 (one record, replaced by rename)."""
+    body = struct.pack("<QQi", term, commit, -1 if vote is None else len(vote)) + (vote or "").encode()
+    return struct.pack("<8sHHII", META_MAGIC, 1, 0, zlib.crc32(body), len(body)) + body
+
+
+def test_a_torn_newest_meta_slot_falls_back_to_the_state_before_it(tmp_path):
+    """The two slots are written in turn: a write torn by a power loss leaves the other slot,
+    the state before that write."""
+    path = tmp_path / "raft.journal"
+    j = open_journal(path)
+    j.setCurrentTerm(4, "a:1")
+    j.setCurrentTerm(5, None)  # the newest write
+    j._destroy()
+    meta = tmp_path / "raft.journal.meta"
+    inode = os.stat(meta).st_ino
+    data = bytearray(meta.read_bytes())
+    assert len(data) == 2 * SLOT
+    again = open_journal(path)
+    assert (again.getCurrentTerm(), again.getVotedForNodeId()) == (5, None)
+    again._destroy()
+    newest = max((0, SLOT), key=lambda at: struct.unpack_from("<Q", data, at + 20)[0])
+    data[newest + 25] ^= 0xFF  # torn: its CRC fails
+    meta.write_bytes(bytes(data))
+    back = open_journal(path)
+    assert (back.getCurrentTerm(), back.getVotedForNodeId()) == (4, "a:1")
+    back.setCurrentTerm(6, "b:2")  # and writing goes on in place
+    back._destroy()
+    assert os.stat(meta).st_ino == inode
+    last = open_journal(path)
+    assert (last.getCurrentTerm(), last.getVotedForNodeId()) == (6, "b:2")
+
+
+def test_a_format_1_meta_file_is_read_and_converted(tmp_path):
+    path = tmp_path / "raft.journal"
+    meta = tmp_path / "raft.journal.meta"
+    meta.write_bytes(v1_meta(7, "127.0.0.1:7201", 3))
+    j = open_journal(path)
+    assert (j.getCurrentTerm(), j.getVotedForNodeId()) == (7, "127.0.0.1:7201")
+    assert os.path.getsize(meta) == 2 * SLOT
+    j.setCurrentTerm(8, None)
+    j._destroy()
+    again = open_journal(path)
+    assert (again.getCurrentTerm(), again.getVotedForNodeId()) == (8, None)
+
+
+def test_term_and_vote_are_overwritten_in_place_never_renamed(tmp_path):
+    """Renaming a new meta file over the old one freed a block per vote, and with ``discard``
+    that waited in the device queue behind heavy writeback, on the tick thread."""
+    path = tmp_path / "raft.journal"
+    j = open_journal(path, "interval")
+    inode = os.stat(tmp_path / "raft.journal.meta").st_ino
+    for term in range(1, 6):
+        j.setCurrentTerm(term, f"n:{term}")
+    j.setRaftCommitIndex(1)
+    j.flush()
+    assert os.stat(tmp_path / "raft.journal.meta").st_ino == inode
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raft.journal", "raft.journal.meta"]
+    j._destroy()
 
 
 # ---- fsync policies -------------------------------------------------------------------------------
@@ -330,16 +396,20 @@ class SyncCounter:
     def __init__(self, monkeypatch) -> None:
         self.fdatasync = 0
         self.fsync = 0
+        self.on_test_thread = 0  # calls made by the thread that runs the test (pysyncobj's, here)
+        self._test_thread = threading.current_thread()
         self.event = threading.Event()
         monkeypatch.setattr(journal_module, "_fdatasync", self._fdatasync)
         monkeypatch.setattr(journal_module, "_fsync", self._fsync)
 
     def _fdatasync(self, fd: int) -> None:
         self.fdatasync += 1
+        self.on_test_thread += threading.current_thread() is self._test_thread
         self.event.set()
 
     def _fsync(self, fd: int) -> None:
         self.fsync += 1
+        self.on_test_thread += threading.current_thread() is self._test_thread
 
     def take(self) -> tuple[int, int]:
         counts = (self.fdatasync, self.fsync)
@@ -363,7 +433,7 @@ def test_never_syncs_nothing(tmp_path, monkeypatch):
 def test_always_syncs_each_change_before_returning(tmp_path, monkeypatch):
     counter = SyncCounter(monkeypatch)
     j = open_journal(tmp_path / "raft.journal", "always")
-    assert counter.take() == (0, 2)  # the new file's header: file + directory
+    assert counter.take() == (0, 4)  # the new files (meta, journal header): each file + directory
     fill(j, 3)
     assert counter.take() == (3, 0)  # one fdatasync per append
     j.deleteEntriesFrom(2)
@@ -372,12 +442,14 @@ def test_always_syncs_each_change_before_returning(tmp_path, monkeypatch):
     j._wait_rewritten()  # on the rewriter thread: the directory (the snapshot's rename first),
     assert counter.take() == (2, 2)  # the copy, the file before and the directory after the rename
     j.setCurrentTerm(1, "a:1")
-    assert counter.take() == (0, 2)  # meta file + directory, before pysyncobj sends anything
+    assert counter.take() == (1, 0)  # the meta slot written in place, before pysyncobj sends anything
     j.setRaftCommitIndex(2)
     j.onOneSecondTimer()  # not on the tick thread: the background thread writes it
     assert counter.take()[0] == 0
     path = tmp_path / "raft.journal"
-    wait_for(lambda: open_journal(path).getRaftCommitIndex() == 2, 10, "the commit index on disk")
+    wait_for(lambda: open_journal(path).getRaftCommitIndex() == 2
+             and j._meta._synced == j._meta._changes, 10, "the commit index on disk, synced")
+    counter.take()
     j._destroy()
     assert counter.take()[0] == 0  # nothing left to sync
 
@@ -388,10 +460,11 @@ def test_interval_syncs_in_the_background(tmp_path, monkeypatch):
     counter.take()
     counter.event.clear()
     fill(j, 3)
+    before = counter.on_test_thread
     j.setCurrentTerm(1, "a:1")
-    assert counter.fsync == 2  # term and vote: synchronously, like "always"
-    wait_for(counter.event.is_set, 10, "the background fdatasync")
-    assert counter.fdatasync >= 1
+    assert counter.on_test_thread == before  # written in place; no sync on the calling thread
+    wait_for(lambda: j._meta._synced == j._meta._changes, 10, "the background fdatasync of the meta")
+    assert counter.fdatasync >= 2  # the journal's and the meta file's
     synced = counter.fdatasync
     j._sync()  # nothing changed since: no fdatasync
     assert counter.fdatasync == synced

@@ -11,8 +11,10 @@ slice), which shows at ~140 MB/s of 1 MiB commands.
 Files, next to each other in the replica's journal directory::
 
     raft.journal        header, then one record per log entry, appended with pwritev
-    raft.journal.meta   current term, vote, commit index (replaced as a whole: tmp, fsync, rename)
-    *.tmp               only while one of the two is being rewritten; a stale one is removed at open
+    raft.journal.meta   current term, vote, commit index: two slots overwritten in place, in turn
+                        (``kvps.raft.meta_file``, which describes its layout)
+    *.tmp               only while the journal is rewritten (or an older meta file converted);
+                        a stale one is removed at open
 
 Layout (little-endian)::
 
@@ -23,9 +25,6 @@ Layout (little-endian)::
                               (~4x cheaper than CRC-32 here, and every replica sums every entry);
                               version 1: CRC-32. A file keeps its version for life: a rewrite
                               copies records, so it writes the header it read.
-    meta            '<8sHHII' magic b"KVPSRMET", format version (1), flags (0), crc32 of the body,
-                              body length; body '<QQi' term, commit index, vote length (-1: no
-                              vote), then the vote (the voted-for node id, UTF-8)
 
 Opening reads every record and stops at the first one that is torn (shorter than its length says),
 fails its CRC, or does not continue the log (index not previous + 1, or term going down); the file
@@ -45,16 +44,21 @@ storage. Every policy survives ``kill -9`` of any process, because the page cach
 written; they differ on power loss or a kernel crash:
 
 * ``never``    no fsync at all, also not for the meta file or a compaction rewrite;
-* ``interval`` a background thread fdatasyncs the journal every ``fsync_interval`` seconds when
-  something was appended; term and vote are fsynced before ``setCurrentTerm`` returns;
+* ``interval`` a background thread fdatasyncs the journal and the meta file every
+  ``fsync_interval`` seconds when something changed (term and vote included);
 * ``always``   fdatasync after every change, before pysyncobj continues: a follower answers
   append_entries, and the leader counts itself towards a majority, only with the entry on disk.
 
-Under ``interval`` and ``always`` term/vote changes are fsynced synchronously (pysyncobj calls
-``setCurrentTerm`` before it sends the vote request or grant that reflects it); compaction
-rewrites are fsynced by the thread that does them (``RaftJournal.deleteEntriesTo``). The commit index is written at most once a second, by a background thread under
-those two policies (an fsynced meta write took up to 70 ms here: not on the tick thread, which
-also sends the heartbeats), by pysyncobj's ``onOneSecondTimer`` under ``never``. Since it may be
+Term and vote (pysyncobj calls ``setCurrentTerm`` before it sends the vote request or grant that
+reflects it) are written in place before ``setCurrentTerm`` returns, so they survive ``kill -9``;
+under ``always`` they are also fdatasynced then. Under ``interval`` their fdatasync is the
+background thread's, as for appends: a synchronous one on the tick thread waited seconds behind
+the device's queued writeback after heavy writes, just as a candidate stood for election (the
+cost: a replica that loses power within ``fsync_interval`` of voting may vote again in that term
+if the election is still open when it is back, the same window in which ``interval`` may lose
+acknowledged appends). Compaction rewrites are fsynced by the thread that does them
+(``RaftJournal.deleteEntriesTo``). The commit index is written at most once a second, by a
+background thread under those two policies, by pysyncobj's ``onOneSecondTimer`` under ``never``. Since it may be
 ahead of what survived in the journal, it is clamped to the journal's last index when read back
 (an unclamped one lets a restarted node apply entries nobody committed).
 
@@ -92,22 +96,19 @@ from pysyncobj.journal import Journal
 
 from kvps.config import FSYNC_POLICIES
 from kvps.errors import CodecError
+from kvps.raft.meta_file import META_MAGIC, MetaFile
 
 __all__ = ["MAGIC", "META_MAGIC", "VERSION", "RaftJournal", "using_journal"]
 
 logger = logging.getLogger("kvps.raft")
 
 MAGIC = b"KVPSRJNL"
-META_MAGIC = b"KVPSRMET"
-VERSION = 2  # the journal version new files get (the meta file stays at _META_VERSION)
+VERSION = 2  # the journal version new files get (kvps.raft.meta_file has its own)
 _JOURNAL_VERSIONS = (1, 2)
-_META_VERSION = 1
 _HEADER = struct.Struct("<8sHHI")
 _RECORD = struct.Struct("<IIQQ")  # crc, command length, index, term
 _CHECKED = struct.Struct("<IQQ")  # the record header fields the crc covers (then the command)
 _CRC = struct.Struct("<I")
-_META_HEADER = struct.Struct("<8sHHII")
-_META_BODY = struct.Struct("<QQi")
 _EX_IOERR = 74  # sysexits.h: an input/output error
 _META_PERIOD = 1.0  # seconds between commit index writes (pysyncobj's own cadence)
 _CATCH_UP_BYTES = 1 << 20  # a rewrite switches files (under the lock) once this little is left
@@ -182,7 +183,11 @@ class RaftJournal(Journal):
             if stale.exists():
                 logger.warning("raft journal: removing %s left by an interrupted rewrite", stale)
                 stale.unlink()
-        self._term, self._voted_for, self._commit_index = self._read_meta()
+        self._meta = MetaFile(self._meta_path, durable=fsync != "never",
+                              fsync=lambda fd: _fsync(fd), fdatasync=lambda fd: _fdatasync(fd),
+                              fsync_dir=_fsync_dir)
+        self._term, self._voted_for, self._commit_index = \
+            self._meta.term, self._meta.voted_for, self._meta.commit_index
         self._meta_dirty = False
         self._meta_lock = threading.Lock()
         self._fd = self._open_journal(first_index)
@@ -298,7 +303,9 @@ class RaftJournal(Journal):
     # -- term, vote, commit index ---------------------------------------------------------------
 
     def setCurrentTerm(self, term: int, votedForNodeId: str | None) -> None:
-        """Stored before returning: pysyncobj sends the message that reflects it right after."""
+        """Written before returning (pysyncobj sends the message that reflects it right after):
+        in the page cache under every policy, on disk too under ``always``; under ``interval``
+        the background thread fdatasyncs it within ``fsync_interval``, like the appends."""
         self._term, self._voted_for = term, votedForNodeId
         self._write_meta()
 
@@ -338,6 +345,7 @@ class RaftJournal(Journal):
         self._sync()
         if self._meta_dirty:
             self._write_meta()
+        self._sync_meta()
 
     def _destroy(self) -> None:
         """pysyncobj's close: finish a pending rewrite (a clean stop leaves a clean journal), stop
@@ -350,6 +358,9 @@ class RaftJournal(Journal):
             self._sync()
         if self._meta_dirty:
             self._write_meta()
+        if self._policy != "never":
+            self._sync_meta()
+        self._meta.close()
         with self._lock:
             fd, self._fd = self._fd, -1
         os.close(fd)
@@ -585,63 +596,30 @@ class RaftJournal(Journal):
                 offset += _RECORD.size + length
             return offset, ""
 
-    def _read_meta(self) -> tuple[int, str | None, int]:
-        """(term, vote, commit index); pysyncobj's defaults (0, None, 1) if there is no file yet."""
-        try:
-            data = self._meta_path.read_bytes()
-        except FileNotFoundError:
-            return 0, None, 1
-        where = f"raft journal meta {self._meta_path}"
-        if len(data) < _META_HEADER.size:
-            raise CodecError(f"{where}: truncated ({len(data)} bytes); the term and vote it held "
-                             f"cannot be recovered", path=str(self._meta_path))
-        magic, version, _flags, crc, length = _META_HEADER.unpack_from(data)
-        body = data[_META_HEADER.size:]
-        if magic != META_MAGIC:
-            raise CodecError(f"{where}: bad magic {magic!r}", path=str(self._meta_path))
-        if version != _META_VERSION:
-            raise CodecError(f"{where}: unsupported version {version}", path=str(self._meta_path))
-        if len(body) != length or zlib.crc32(body) != crc or length < _META_BODY.size:
-            raise CodecError(f"{where}: corrupt (length or CRC mismatch); the term and vote it held "
-                             f"cannot be recovered", path=str(self._meta_path))
-        term, commit_index, vote_length = _META_BODY.unpack_from(body)
-        vote = body[_META_BODY.size:]
-        if vote_length != (len(vote) if vote_length >= 0 else -1) or (vote_length < 0 and vote):
-            raise CodecError(f"{where}: bad vote length {vote_length}", path=str(self._meta_path))
-        return term, (vote.decode() if vote_length >= 0 else None), commit_index
-
     def _write_meta(self) -> None:
+        """Overwrite the meta file's next slot (kvps.raft.meta_file); under ``always`` also
+        fdatasync it before returning."""
         with self._meta_lock:  # the tick thread (term, vote) or the background thread (commit)
             self._meta_dirty = False  # before reading: a change made meanwhile stays dirty
-            term, voted_for, commit_index = self._term, self._voted_for, self._commit_index
-            self._store_meta(term, voted_for, commit_index)
-
-    def _store_meta(self, term: int, voted_for: str | None, commit_index: int) -> None:
-        vote = None if voted_for is None else str(voted_for).encode()
-        body = _META_BODY.pack(term, commit_index, -1 if vote is None else len(vote))
-        body += vote or b""
-        data = _META_HEADER.pack(META_MAGIC, _META_VERSION, 0, zlib.crc32(body), len(body)) + body
-        tmp = Path(f"{self._meta_path}.tmp")
-        durable = self._policy != "never"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                _pwrite_all(fd, [data], 0)
-                if durable:
-                    _fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, self._meta_path)
-            if durable:
-                _fsync_dir(self._meta_path.parent)
+                self._meta.write(self._term, self._voted_for, self._commit_index)
+                if self._policy == "always":
+                    self._meta.sync()
+            except OSError as exc:
+                self._on_io_error(exc, f"writing {self._meta_path}")
+                raise
+
+    def _sync_meta(self) -> None:
+        try:
+            self._meta.sync()
         except OSError as exc:
-            self._on_io_error(exc, f"writing {self._meta_path}")
+            self._on_io_error(exc, f"fdatasync of {self._meta_path}")
             raise
 
 
 def _background(ref: weakref.ref, stop: threading.Event, period: float) -> None:
-    """Under ``interval``: fdatasync every ``period``; under both syncing policies: the commit
-    index, at most every ``_META_PERIOD``. Holds the journal only weakly, so a journal nobody
+    """Under ``interval``: fdatasync the journal and the meta file every ``period``; under both
+    syncing policies: write the commit index, at most every ``_META_PERIOD``. Holds the journal only weakly, so a journal nobody
     references any more (its group dropped without ``stop()``) still goes away."""
     next_meta = time.monotonic() + _META_PERIOD
     while not stop.wait(period):
@@ -649,11 +627,12 @@ def _background(ref: weakref.ref, stop: threading.Event, period: float) -> None:
         if journal is None:
             return
         try:
-            if journal._policy == "interval":
-                journal._sync()
             if journal._meta_dirty and time.monotonic() >= next_meta:
                 next_meta = time.monotonic() + _META_PERIOD
                 journal._write_meta()
+            if journal._policy == "interval":
+                journal._sync()
+                journal._sync_meta()  # term and vote written since the last round
         except OSError:  # reported through on_io_error
             return
         del journal
