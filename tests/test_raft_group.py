@@ -676,3 +676,20 @@ def test_a_replica_that_lost_its_data_withholds_its_vote_until_it_has_caught_up(
         assert c.wait_converged() == [b"before", *acked, b"after", b"without-the-old-leader"]
     finally:
         c.stop_all()
+
+
+def test_the_raft_threads_carry_kernel_visible_names(cluster):
+    """top -H, py-spy and /proc/<pid>/task/*/stack tell the tick thread and the journal's
+    threads apart (diagnosing a stalled tick thread needs it)."""
+    cluster.start_all()
+    cluster.propose(b"x")
+
+    def names() -> set[str]:
+        out = set()
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                out.add((task / "comm").read_text().strip())
+            except OSError:
+                pass
+        return out
+    wait_for(lambda: {"raft-tick", "journal-sync"} <= names(), 10, "named Raft threads")

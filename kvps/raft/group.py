@@ -78,7 +78,7 @@ from kvps.config import RaftConfig
 from kvps.errors import InvalidRequest
 from kvps.raft import snapshot_file
 from kvps.raft.failover import FastFailover
-from kvps.raft.journal import using_journal
+from kvps.raft.journal import name_native_thread, using_journal
 from kvps.raft.recovery import Recovery
 from kvps.raft.transport import make_transport_class
 
@@ -365,6 +365,7 @@ class ShardGroup(SyncObj):
         now = time.monotonic()
         if self._tick_thread is None:
             self._tick_thread = threading.current_thread()
+            name_native_thread("raft-tick")
         elif self._last_tick is not None:
             # How long the tick thread went without ticking: a gap near the election timeout
             # means heartbeats stopped (disk waits, GIL, CPU starvation); /v1/status shows it.
@@ -493,6 +494,7 @@ class _Compaction:
     def _run(self) -> None:
         started = time.monotonic()
         background_priority()
+        name_native_thread("raft-snapshot")
         try:
             assert self.snap is not None
             state = self.state() if callable(self.state) else self.state
