@@ -276,6 +276,9 @@ def test_empty_replica_is_rebuilt_by_snapshot_install(tmp_path):
         seq = c.wait_converged()
         assert fresh.restores >= 1  # the leader's log starts after index 1: a snapshot was installed
         assert seq == reference + [b"after-install"]
+        # the replaced snapshot's extra link and its renamed copy are gone (helper thread)
+        wait_for(lambda: not [p for p in (tmp_path / "fresh").iterdir() if ".replaced" in p.name
+                              or ".gone-" in p.name], 10, "no leftover snapshot links")
     finally:
         c.stop_all()
 

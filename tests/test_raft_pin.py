@@ -287,6 +287,21 @@ def test_what_recovery_of_lost_state_relies_on():
         assert f"self.{name.replace('_SyncObj', '')} =" in init, name
 
 
+def test_what_the_install_rename_guard_relies_on():
+    """ShardGroup links the snapshot an install replaces before pysyncobj renames over it on the
+    tick thread: it recognises the last chunk by ``serialized`` = (data, is_first, is_last)."""
+    from pysyncobj.serializer import Serializer
+    receive = src(SyncObj._SyncObj__onMessageReceived)
+    assert "serialized = message.get('serialized', None)" in receive
+    assert "if self.__serializer.setTransmissionData(serialized):" in receive
+    setdata = src(Serializer.setTransmissionData)
+    assert "data, isFirst, isLast = data" in setdata
+    assert "atomicReplace(tmpFile, self.__fileName)" in setdata
+    assert group_module._last_install_chunk({"type": "append_entries", "serialized": (b"", False, True)})
+    assert not group_module._last_install_chunk({"type": "append_entries", "serialized": (b"", True, False)})
+    assert not group_module._last_install_chunk({"type": "append_entries", "entries": []})
+
+
 def test_tick_thread_lifetime_we_document():
     tick = src(SyncObj._autoTickThread)
     assert "if not self.__mainThread.is_alive(): break" in tick

@@ -141,8 +141,10 @@ class ShardGroup(SyncObj):
         first_index = 0  # the journal's records below this index are covered by the snapshot
         if dump_path.exists():  # refuse to start on a corrupt snapshot (CodecError)
             first_index = snapshot_file.read(dump_path).prev_entry[1]
-        for leftover in (".partial", ".tmp", ".1.tmp", ".old"):  # a compaction or install cut short
+        for leftover in (".partial", ".tmp", ".1.tmp", ".old", ".replaced"):  # compaction/install cut short
             _unlink(str(dump_path) + leftover)
+        for gone in journal_dir.glob("raft.snapshot*.gone-*"):  # unlinks a crash cut short
+            _unlink(str(gone))
 
         # Everything the tick thread may touch is set before SyncObj.__init__ starts it.
         self._raft = raft
@@ -210,7 +212,27 @@ class ShardGroup(SyncObj):
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # noqa: N802
         if self._recovery.withholds(message):
             return
+        installing = _last_install_chunk(message)
+        if installing:  # pysyncobj renames the received snapshot over ours on this thread now
+            replaced = self._keep_replaced_snapshot()
         SyncObj._SyncObj__onMessageReceived(self, node, message)
+        if installing and replaced is not None:
+            _unlink_elsewhere(replaced)
+
+    def _keep_replaced_snapshot(self) -> str | None:
+        """A second link to the snapshot an install is about to replace, so that the rename on
+        the tick thread drops a name and not the last one: freeing the file's blocks waits, on a
+        filesystem mounted with ``discard``, behind all the writeback queued in the device
+        (seconds after heavy writes; seen in the tick thread's kernel stack as ``rename`` ->
+        ``evict`` -> ``blkdev_issue_discard``). A helper thread unlinks it afterwards."""
+        replaced = str(self._dump_path) + ".replaced"
+        try:
+            if os.path.exists(replaced):
+                os.unlink(replaced)
+            os.link(self._dump_path, replaced)
+        except OSError:  # no snapshot yet (nothing to free), or no hard links: as before
+            return None
+        return replaced
 
     def _SyncObj__generateRaftTimeout(self) -> float:  # noqa: N802
         if self._recovery.active:
@@ -422,8 +444,7 @@ class ShardGroup(SyncObj):
             return SERIALIZER_STATE.FAILED
         if job.installs != self._installs:  # a leader's snapshot replaced the state meanwhile
             self.compactions["discarded"] += 1
-            _unlink(job.partial)
-            _unlink(job.old)
+            _unlink_elsewhere(job.partial, job.old)  # freeing blocks can wait seconds: not here
             logger.info("raft snapshot at entry %d discarded: a newer one was installed", job.index)
             return SERIALIZER_STATE.FAILED
         try:
@@ -433,8 +454,7 @@ class ShardGroup(SyncObj):
             # durable with its own rename and fsync of this same directory, which persists this
             # rename too (renames in one directory reach the disk in order).
             os.replace(job.partial, self._dump_path)
-            threading.Thread(target=_unlink, args=(job.old,), daemon=True,
-                             name="kvps-compaction-unlink").start()
+            _unlink_elsewhere(job.old)
         except OSError as exc:
             self.compactions["failed"] += 1
             logger.error("raft snapshot at entry %d could not be put in place: %s", job.index, exc)
@@ -547,6 +567,39 @@ def _lowest_io_priority(tid: int) -> None:
         libc.syscall(number, 1, tid, (best_effort << 13) | lowest)  # IOPRIO_WHO_PROCESS (a thread)
     except (OSError, AttributeError):
         pass
+
+
+def _last_install_chunk(message: Any) -> bool:
+    """Whether ``message`` carries the last chunk of a snapshot install (pysyncobj's append_entries
+    with ``serialized`` = (data, is_first, is_last))."""
+    if not isinstance(message, dict) or message.get("type") != "append_entries":
+        return False
+    serialized = message.get("serialized")
+    try:
+        return serialized is not None and bool(serialized[2])
+    except (TypeError, IndexError):
+        return False
+
+
+_gone = itertools.count()
+
+
+def _unlink_elsewhere(*paths: str) -> None:
+    """Unlink ``paths`` on a helper thread: the last link of a big file frees its blocks, which
+    can wait seconds behind queued writeback (the tick thread must not). Each is first renamed to
+    a name of its own (a rename onto a new name frees nothing), so the next compaction or install
+    can reuse the path at once; ``ShardGroup`` removes ``*.gone-*`` left by a crash at start."""
+    doomed = []
+    for path in paths:
+        target = f"{path}.gone-{os.getpid()}-{next(_gone)}"
+        try:
+            os.rename(path, target)
+        except OSError:
+            continue
+        doomed.append(target)
+    if doomed:
+        threading.Thread(target=lambda: [_unlink(p) for p in doomed], daemon=True,
+                         name="kvps-unlink").start()
 
 
 def _unlink(path: str) -> None:
