@@ -598,8 +598,11 @@ def _unlink_elsewhere(*paths: str) -> None:
             continue
         doomed.append(target)
     if doomed:
-        threading.Thread(target=lambda: [_unlink(p) for p in doomed], daemon=True,
-                         name="kvps-unlink").start()
+        def unlink_all() -> None:
+            name_native_thread("kvps-unlink")  # else it shows as its creator, the tick thread
+            for path in doomed:
+                _unlink(path)
+        threading.Thread(target=unlink_all, daemon=True, name="kvps-unlink").start()
 
 
 def _unlink(path: str) -> None:
