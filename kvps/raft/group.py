@@ -141,7 +141,7 @@ class ShardGroup(SyncObj):
         first_index = 0  # the journal's records below this index are covered by the snapshot
         if dump_path.exists():  # refuse to start on a corrupt snapshot (CodecError)
             first_index = snapshot_file.read(dump_path).prev_entry[1]
-        for leftover in (".partial", ".tmp", ".1.tmp", ".old", ".replaced"):  # compaction/install cut short
+        for leftover in (".partial", ".tmp", ".1.tmp", ".old"):  # a compaction or install cut short
             _unlink(str(dump_path) + leftover)
         for gone in journal_dir.glob("raft.snapshot*.gone-*"):  # unlinks a crash cut short
             _unlink(str(gone))
@@ -212,27 +212,24 @@ class ShardGroup(SyncObj):
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # noqa: N802
         if self._recovery.withholds(message):
             return
-        installing = _last_install_chunk(message)
-        if installing:  # pysyncobj renames the received snapshot over ours on this thread now
-            replaced = self._keep_replaced_snapshot()
-        SyncObj._SyncObj__onMessageReceived(self, node, message)
-        if installing and replaced is not None:
-            _unlink_elsewhere(replaced)
-
-    def _keep_replaced_snapshot(self) -> str | None:
-        """A second link to the snapshot an install is about to replace, so that the rename on
-        the tick thread drops a name and not the last one: freeing the file's blocks waits, on a
-        filesystem mounted with ``discard``, behind all the writeback queued in the device
-        (seconds after heavy writes; seen in the tick thread's kernel stack as ``rename`` ->
-        ``evict`` -> ``blkdev_issue_discard``). A helper thread unlinks it afterwards."""
-        replaced = str(self._dump_path) + ".replaced"
+        if not _last_install_chunk(message):
+            SyncObj._SyncObj__onMessageReceived(self, node, message)
+            return
+        # pysyncobj renames the received snapshot over ours on this thread now. A second link to
+        # ours makes that rename drop a name, not the last one: freeing the file's blocks waits,
+        # on a filesystem mounted with ``discard``, behind all the writeback queued in the device
+        # (seconds after heavy writes; seen in the tick thread's kernel stack as ``rename`` ->
+        # ``evict`` -> ``blkdev_issue_discard``). A helper thread unlinks it afterwards.
+        replaced = _gone_name(str(self._dump_path))
         try:
-            if os.path.exists(replaced):
-                os.unlink(replaced)
             os.link(self._dump_path, replaced)
         except OSError:  # no snapshot yet (nothing to free), or no hard links: as before
-            return None
-        return replaced
+            replaced = None
+        try:
+            SyncObj._SyncObj__onMessageReceived(self, node, message)
+        finally:
+            if replaced is not None:
+                _unlink_in_background([replaced])
 
     def _SyncObj__generateRaftTimeout(self) -> float:  # noqa: N802
         if self._recovery.active:
@@ -584,25 +581,37 @@ def _last_install_chunk(message: Any) -> bool:
 _gone = itertools.count()
 
 
+def _gone_name(path: str) -> str:
+    """A name of its own for a file about to be unlinked (``ShardGroup`` removes ``*.gone-*``
+    left by a crash at start)."""
+    return f"{path}.gone-{os.getpid()}-{next(_gone)}"
+
+
 def _unlink_elsewhere(*paths: str) -> None:
     """Unlink ``paths`` on a helper thread: the last link of a big file frees its blocks, which
     can wait seconds behind queued writeback (the tick thread must not). Each is first renamed to
     a name of its own (a rename onto a new name frees nothing), so the next compaction or install
-    can reuse the path at once; ``ShardGroup`` removes ``*.gone-*`` left by a crash at start."""
+    can reuse the path at once."""
     doomed = []
     for path in paths:
-        target = f"{path}.gone-{os.getpid()}-{next(_gone)}"
+        target = _gone_name(path)
         try:
             os.rename(path, target)
         except OSError:
             continue
         doomed.append(target)
-    if doomed:
-        def unlink_all() -> None:
-            name_native_thread("kvps-unlink")  # else it shows as its creator, the tick thread
-            for path in doomed:
-                _unlink(path)
-        threading.Thread(target=unlink_all, daemon=True, name="kvps-unlink").start()
+    _unlink_in_background(doomed)
+
+
+def _unlink_in_background(paths: list[str]) -> None:
+    if not paths:
+        return
+
+    def unlink_all() -> None:
+        name_native_thread("kvps-unlink")  # else it shows as its creator, the tick thread
+        for path in paths:
+            _unlink(path)
+    threading.Thread(target=unlink_all, daemon=True, name="kvps-unlink").start()
 
 
 def _unlink(path: str) -> None:

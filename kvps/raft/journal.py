@@ -58,9 +58,9 @@ cost: a replica that loses power within ``fsync_interval`` of voting may vote ag
 if the election is still open when it is back, the same window in which ``interval`` may lose
 acknowledged appends). Compaction rewrites are fsynced by the thread that does them
 (``RaftJournal.deleteEntriesTo``). The commit index is written at most once a second, by a
-background thread under those two policies, by pysyncobj's ``onOneSecondTimer`` under ``never``. Since it may be
-ahead of what survived in the journal, it is clamped to the journal's last index when read back
-(an unclamped one lets a restarted node apply entries nobody committed).
+background thread under those two policies, by pysyncobj's ``onOneSecondTimer`` under ``never``.
+Since it may be ahead of what survived in the journal, it is clamped to the journal's last index
+when read back (an unclamped one lets a restarted node apply entries nobody committed).
 
 A failed write or fsync of the journal is fatal: the entry is already in pysyncobj's memory, and
 after a failed fsync the page cache cannot be trusted to still hold it. The process logs the
@@ -630,8 +630,9 @@ class RaftJournal(Journal):
 
 def _background(ref: weakref.ref, stop: threading.Event, period: float) -> None:
     """Under ``interval``: fdatasync the journal and the meta file every ``period``; under both
-    syncing policies: write the commit index, at most every ``_META_PERIOD``. Holds the journal only weakly, so a journal nobody
-    references any more (its group dropped without ``stop()``) still goes away."""
+    syncing policies: write the commit index, at most every ``_META_PERIOD``. Holds the journal
+    only weakly, so a journal nobody references any more (its group dropped without ``stop()``)
+    still goes away."""
     name_native_thread("journal-sync")
     next_meta = time.monotonic() + _META_PERIOD
     while not stop.wait(period):

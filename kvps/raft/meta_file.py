@@ -91,8 +91,9 @@ def _parse_v1(data: bytes, where: str, path: Path) -> tuple[int, str | None, int
 
 
 class MetaFile:
-    """The open meta file. ``write`` (any thread, serialized by the caller) overwrites one slot
-    in the page cache; ``sync`` makes every write so far durable (a no-op when nothing changed).
+    """The open meta file: ``term``, ``voted_for`` and ``commit_index`` as read at open (the
+    journal keeps the current ones). ``write`` (any thread, serialized by the caller) overwrites
+    one slot in the page cache; ``sync`` makes every write so far durable (a no-op when nothing changed).
     ``durable`` (every fsync policy but ``never``): the file is created or converted with fsyncs.
     A missing file starts as pysyncobj's defaults: term 0, no vote, commit index 1. The sync
     functions are the journal's (so its tests count them)."""
@@ -150,7 +151,6 @@ class MetaFile:
             if written != SLOT:
                 raise OSError(f"short write of a meta slot ({written} of {SLOT} bytes)")
             self._changes += 1
-        self.term, self.voted_for, self.commit_index = term, voted_for, commit_index
 
     def sync(self) -> None:
         with self._lock:
