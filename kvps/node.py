@@ -264,6 +264,7 @@ class Node:
                 "leader": st.get("leader"), "serving": st.get("serving", False),
                 "commit_index": st.get("commit_index"), "applied_index": st.get("applied_index"),
                 "log_entries": st.get("log_entries"), "recovering": st.get("recovering", False),
+                "recovering_reason": st.get("recovering_reason"),
             })
         return {"node": self.node_id, "admin_url": self.cfg.node(self.node_id).admin_url,
                 "replicas": replicas}

@@ -718,7 +718,8 @@ class Replica:
             "log_entries": st["log_entries"], "compactions": st.get("compactions"),
             "tick_stalls": st.get("tick_stalls"),
             # its lost data was replaced: no vote until it has caught up (kvps.raft.recovery)
-            "recovering": st["recovering"], "votes_withheld": st["votes_withheld"],
+            "recovering": st["recovering"], "recovering_reason": st["recovering_reason"],
+            "votes_withheld": st["votes_withheld"],
             "in_flight_bytes": self._batcher.accepted_bytes if self._batcher else 0,
             "counters": dict(self.counters),
             "peers": self.peer_lag() if st["role"] == "leader" else {},
@@ -749,6 +750,7 @@ class Replica:
         m.child(m.is_leader).set(1 if st["role"] == "leader" and self._serving_term == st["term"] else 0)
         m.child(m.commit_index).set(st["commit_index"])
         m.child(m.applied_index).set(st["applied_index"])
+        m.child(m.recovering).set(1 if st["recovering"] else 0)
         m.child(m.in_flight_bytes).set(self._batcher.accepted_bytes if self._batcher else 0)
         if st["role"] == "leader":
             for addr, p in self.peer_lag().items():
