@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -365,7 +364,7 @@ async def _delete_key(replica: Replica, req: frame.Frame):
 async def _set(replica: Replica, req: frame.Frame):
     client, seq, floor = _client_ids(req.meta)
     expected = _field(req.meta, "expected_version", (int, type(None)), None)
-    cmd = Set(now=time.time(), client=client, seq=seq, floor=floor, key=_key(req.meta),
+    cmd = Set(now=replica.cluster_time.now(), client=client, seq=seq, floor=floor, key=_key(req.meta),
               blocks=_blocks(req), expected_version=expected)
     result = await replica.write(cmd)
     return {"versions": result["versions"]}, ()
@@ -373,7 +372,7 @@ async def _set(replica: Replica, req: frame.Frame):
 
 async def _clock_tick(replica: Replica, req: frame.Frame):
     m = req.meta
-    cmd = ClockTick(now=time.time(), job=_field(m, "job", str), worker=_field(m, "worker", str),
+    cmd = ClockTick(now=replica.cluster_time.now(), job=_field(m, "job", str), worker=_field(m, "worker", str),
                     step=_field(m, "step", int), lease_s=_field(m, "lease_s", (int, float)))
     return await replica.write(cmd), ()
 

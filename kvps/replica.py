@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvps.batcher import PushBatcher
+from kvps.clocks import ClusterTime
 from kvps.command import (
     Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Push, Set, SetRows, SnapshotStep,
     decode_command,
@@ -67,6 +68,8 @@ class Replica:
         self._joining = joining
         self._lock = threading.Lock()
         self._state = self._new_state()
+        # the time this replica stamps into commands as leader and judges leases by (kvps.clocks)
+        self.cluster_time = ClusterTime(time.monotonic)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._applied = asyncio.Event()  # pulsed after every apply (follower reads wait on it)
         self._serving_term = -1  # term whose barrier this replica has applied as leader
@@ -116,7 +119,7 @@ class Replica:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._batcher = PushBatcher(self._propose, self.merge_mode, self.cfg.server,
-                                    on_batch=self._count_batch)
+                                    clock=self.cluster_time.now, on_batch=self._count_batch)
         peers = self._peers if self._peers is not None else [
             self.cfg.node(n).raft_address(self.shard)
             for n in self.cfg.replica_nodes(self.shard) if n != self.node_id]
@@ -156,6 +159,7 @@ class Replica:
         else:
             with self._lock:
                 result = self._state.apply(cmd)
+                self.cluster_time.applied(self._state.time)
                 self._remember_blocks(cmd)
                 if self._hold is not None and isinstance(cmd, (Push, Set)):
                     self._hold["ids"].update(_push_ids(cmd))
@@ -441,6 +445,7 @@ class Replica:
         state = ShardState.restore(data)
         with self._lock:
             self._state = state
+        self.cluster_time.applied(state.time)
 
     def _on_role_change(self, role: str) -> None:
         if self._loop is not None:
@@ -687,9 +692,9 @@ class Replica:
             return self._state.read_rows(key, ids)
 
     def clocks(self, job: str) -> dict[str, int]:
-        """Live worker clocks of ``job``; leases are judged by this replica's wall clock."""
+        """Live worker clocks of ``job``; leases are judged by this replica's cluster time."""
         with self._lock:
-            return self._state.clocks(job, time.time())
+            return self._state.clocks(job, self.cluster_time.now())
 
     def describe(self, key: str) -> dict:
         with self._lock:
