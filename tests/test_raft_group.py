@@ -731,6 +731,7 @@ def test_a_replica_whose_journal_is_damaged_mid_file_recovers_before_it_votes(tm
         c.start(lead)  # from its journal, with the acknowledged entries
         c.propose(b"after")
         assert c.wait_converged() == [b"before", *acked, b"after"]
+        assert "candidate" not in c.roles[damaged] and "leader" not in c.roles[damaged]
         wait_for(lambda: not c.groups[damaged].recovering, 20, "the damaged replica to recover")
         assert not (damaged_dir / recovery.MARKER).exists()
         assert c.groups[damaged].status()["recovering_reason"] is None

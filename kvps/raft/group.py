@@ -188,7 +188,7 @@ class ShardGroup(SyncObj):
         self._transport_stats = transport.stats
         with using_journal(journal_dir / "raft.journal", fsync=raft.fsync,  # ours, not FileJournal
                            fsync_interval=raft.fsync_interval, first_index=first_index,
-                           on_damage=self._recovery.enter):  # before the tick thread starts
+                           on_damage=self._recover_from_damage):  # before the tick thread starts
             super().__init__(self_address, [p for p in peers if p != self_address], conf,
                              transportClass=transport)
         self.addOnTickCallback(self._note_tick_thread)
@@ -236,6 +236,13 @@ class ShardGroup(SyncObj):
         if self._recovery.active:
             return _NEVER  # no election of its own while recovering
         return SyncObj._SyncObj__generateRaftTimeout(self)
+
+    def _recover_from_damage(self, reason: str) -> None:
+        """The journal found damage while ``SyncObj.__init__`` opened it: recover from here on. That
+        ``__init__`` drew the first election deadline before it opened the journal, so hold it too
+        (a recovering replica that stood for election would win with the lagging member's vote)."""
+        self._recovery.enter(reason)
+        self._SyncObj__raftElectionDeadline = monotonic() + _NEVER
 
     def _check_recovered(self) -> None:
         if self._recovery.check(self):
