@@ -24,7 +24,7 @@ from conftest import dump_logs, wait_for
 
 import kvps_client as kc
 from kvps.config import ServerConfig
-from kvps.local import LocalCluster
+from kvps.node.local import LocalCluster
 
 pytestmark = pytest.mark.cluster
 

@@ -943,7 +943,7 @@ def test_a_group_restarted_in_a_compaction_crash_window_keeps_its_entries(tmp_pa
 
 
 def test_kvps_up_takes_fsync():
-    from kvps.cli import build_parser
+    from kvps.cli.main import build_parser
 
     assert build_parser().parse_args(["up", "--fsync", "always"]).fsync == "always"
     assert build_parser().parse_args(["up"]).fsync == RaftConfig.fsync

@@ -26,12 +26,12 @@ from aiohttp import web
 from kvps.assignment import Assignment
 from kvps.config import ClusterConfig, NodeConfig
 from kvps.errors import InvalidRequest, KvpsError, Unauthorized
-from kvps.meta_service import NodeMembership
-from kvps.metrics import CONTENT_TYPE, NodeMetrics, merge_expositions
-from kvps.openapi import document
-from kvps.process import python_module_args, spawn, stop_process
+from kvps.node.meta_service import NodeMembership
+from kvps.replica.metrics import CONTENT_TYPE, NodeMetrics, merge_expositions
+from kvps.node.openapi import document
+from kvps.node.process import python_module_args, spawn, stop_process
 from kvps.raft import recovery
-from kvps.snapshot_api import SnapshotService
+from kvps.node.snapshot_api import SnapshotService
 
 __all__ = ["Node"]
 

@@ -17,16 +17,16 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from kvps.auth import TokenStore
+from kvps.service.auth import TokenStore
 from kvps.command import SNAPSHOT_ID, ClockTick, CreateKey, CreateTable, DeleteKey, Set, SetRows, SnapshotStep
 from kvps.delta import frame
 from kvps.errors import InvalidRequest, KeyNotFound, KvpsError, RequestTooLarge, Timeout
-from kvps.history import xor_delta
-from kvps.membership import membership_rpc
+from kvps.delta.xor import xor_delta
+from kvps.replica.membership import membership_rpc
 from kvps.merge import PushRequest, content_digest
 from kvps.placement import DenseLayout
-from kvps.metrics import CONTENT_TYPE
-from kvps.replica import Replica
+from kvps.replica.metrics import CONTENT_TYPE
+from kvps.replica.replica import Replica
 
 __all__ = ["OPEN_ROUTES", "make_app", "request_id_of"]
 

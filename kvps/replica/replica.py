@@ -23,21 +23,21 @@ from typing import Any
 
 import numpy as np
 
-from kvps.batcher import PushBatcher
+from kvps.replica.batcher import PushBatcher
 from kvps.clocks import ClusterTime
 from kvps.command import (
     Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Push, Set, SetRows, SnapshotStep,
     decode_command,
 )
-from kvps import snapshot_store
+from kvps.replica import snapshot_store
 from kvps.config import ClusterConfig
 from kvps.delta import frame
 from kvps.errors import (
     CodecError, InvalidRequest, KeyNotFound, KvpsError, NotLeader, Unavailable,
 )
-from kvps.history import BlockHistory
+from kvps.replica.history import BlockHistory
 from kvps.merge import PushRequest, comparable_digests, is_finite, request_bytes
-from kvps.metrics import ReplicaMetrics
+from kvps.replica.metrics import ReplicaMetrics
 from kvps.raft import bridge, snapshot_file
 from kvps.raft import membership as raft_membership
 from kvps.raft.group import ShardGroup, background_priority
