@@ -9,6 +9,7 @@ that was sent relative to gradient + residual:
   topk:f only the ceil(f * size) largest-magnitude entries are sent, exactly; the rest waits in
          the residual.
 The residual assumes every push is eventually delivered (the client retries until its deadline).
+The codecs themselves, with their decoders, are ``kvps.delta.lossy``.
 """
 from __future__ import annotations
 
@@ -17,20 +18,10 @@ import math
 import numpy as np
 
 from kvps.delta.frame import Bf16
+from kvps.delta.lossy import bf16_round, bf16_widen, topk_select
 from kvps.errors import InvalidRequest
 
 __all__ = ["LossyEncoder", "bf16_round", "bf16_widen"]
-
-
-def bf16_round(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
-    return (rounded >> np.uint32(16)).astype(np.uint16)
-
-
-def bf16_widen(q: np.ndarray) -> np.ndarray:
-    return (q.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 class LossyEncoder:
@@ -67,8 +58,7 @@ class LossyEncoder:
         else:
             flat = g.reshape(-1)
             k = max(1, math.ceil(self.fraction * flat.size)) if flat.size else 0
-            idx = np.sort(np.argpartition(np.abs(flat), flat.size - k)[flat.size - k:]).astype(np.int64)
-            values = flat[idx]
+            idx, values = topk_select(flat, k)
             sent = np.zeros_like(flat)
             sent[idx] = values
             sent = sent.reshape(g.shape)

@@ -3,6 +3,7 @@
     KvpsError
     ├── RetryableError        no definitive answer; safe to retry because pushes are deduplicated
     │   ├── Unavailable       no replica answered, or the outcome is unknown (connection lost, leader changed)
+    │   │   └── ConnectError  no answer at all: the connection was refused, reset or timed out
     │   ├── Timeout           the caller's deadline passed
     │   ├── NotLeader         this replica is not the leader; ``leader_hint`` names the one it believes in
     │   ├── NoQuorum          the leader cannot reach a majority
@@ -31,6 +32,7 @@ from typing import Any
 __all__ = [
     "CodecError",
     "ConfigError",
+    "ConnectError",
     "InvalidRequest",
     "KeyExists",
     "KeyNotFound",
@@ -82,6 +84,13 @@ class RetryableError(KvpsError):
 
 
 class Unavailable(RetryableError):
+    http_status = 503
+
+
+class ConnectError(Unavailable):
+    """No answer at all from ``fields['url']``: refused, reset, timed out, not resolvable. (A
+    request that reached a server and failed there is another error.)"""
+
     http_status = 503
 
 
@@ -160,7 +169,7 @@ class ConfigError(KvpsError):
 _BY_NAME: dict[str, type[KvpsError]] = {
     cls.__name__: cls
     for cls in (
-        KvpsError, RetryableError, Unavailable, Timeout, NotLeader, NoQuorum, Overloaded,
+        KvpsError, RetryableError, Unavailable, ConnectError, Timeout, NotLeader, NoQuorum, Overloaded,
         RejectedError, VersionConflict, KeyNotFound, KeyExists, ShapeMismatch, Unauthorized,
         InvalidRequest, RequestTooLarge, NotDrainable, PushExpired, CodecError, ConfigError,
     )

@@ -2,8 +2,8 @@
 
 Pure (no I/O). ``MetaState`` is the state machine of the small metadata Raft group that runs on the
 cluster's first nodes (``meta_nodes``); ``kvps/meta_service.py`` wires it to a ``ShardGroup``.
-Commands are JSON objects (``{"op": ...}``); ``apply`` is deterministic and returns results as
-values (``{"ok": ...}`` or ``{"error": ...}``), never raises. The state serializes to canonical JSON
+Commands are JSON objects (``{"op": ...}``); ``apply`` is deterministic, never raises, and returns
+an ``Applied`` (``kvps.machine``) whose result is ``{"ok": ...}`` or a ``KvpsError`` value. The state serializes to canonical JSON
 (same commands => same bytes).
 
 Nodes are never deleted from the list, only marked ``removed``: ids stay 0..n-1, so a node's id is
@@ -24,6 +24,8 @@ import json
 from typing import Any
 
 from kvps.assignment import Assignment
+from kvps.errors import InvalidRequest, KvpsError, Unavailable, VersionConflict
+from kvps.machine import Applied
 
 __all__ = ["MetaState", "NODE_STATES", "meta_address", "meta_nodes", "plan_meta_move", "plan_move"]
 
@@ -62,19 +64,19 @@ class MetaState:
 
     # ---- the state machine ---------------------------------------------------------------------
 
-    def apply(self, command: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, command: dict[str, Any]) -> Applied:
         op = command.get("op") if isinstance(command, dict) else None
         handler = getattr(self, f"_apply_{op}", None) if isinstance(op, str) else None
         if handler is None:
-            return {"error": f"unknown meta command {op!r}"}
+            return Applied(InvalidRequest(f"unknown meta command {op!r}"))
         try:
             result = handler(command)
+        except KvpsError as exc:  # handlers raise only before they change anything
+            return Applied(exc)
         except (KeyError, TypeError, ValueError) as exc:
-            return {"error": f"bad {op} command: {type(exc).__name__}: {exc}"}
-        if "error" not in result:
-            self.version += 1
-            result["version"] = self.version
-        return result
+            return Applied(InvalidRequest(f"bad {op} command: {type(exc).__name__}: {exc}"))
+        self.version += 1
+        return Applied({**result, "version": self.version})
 
     def _apply_add_node(self, c: dict[str, Any]) -> dict[str, Any]:
         spec = {f: c[f] for f in _NODE_FIELDS}
@@ -84,7 +86,7 @@ class MetaState:
         for node in self.nodes:
             if node["state"] != "removed" and node["host"] == spec["host"] and (
                     node["admin_port"] == spec["admin_port"] or node["port_base"] == spec["port_base"]):
-                return {"error": f"node {node['id']} already uses these ports on {spec['host']}"}
+                raise InvalidRequest(f"node {node['id']} already uses these ports on {spec['host']}")
         node_id = len(self.nodes)
         self.nodes.append({"id": node_id, **spec, "state": "active"})
         return {"ok": True, "id": node_id}
@@ -92,22 +94,21 @@ class MetaState:
     def _apply_set_node_state(self, c: dict[str, Any]) -> dict[str, Any]:
         node_id, state = int(c["id"]), c["state"]
         if state not in NODE_STATES or not 0 <= node_id < len(self.nodes):
-            return {"error": f"bad node state change {node_id} -> {state!r}"}
+            raise InvalidRequest(f"bad node state change {node_id} -> {state!r}")
         if state == "removed" and self.assignment.shards_of(node_id):
-            return {"error": f"node {node_id} still hosts shards {self.assignment.shards_of(node_id)}"}
+            raise InvalidRequest(f"node {node_id} still hosts shards {self.assignment.shards_of(node_id)}")
         if state == "removed" and node_id in self.meta_members:
-            return {"error": f"node {node_id} still runs a metadata replica"}
+            raise InvalidRequest(f"node {node_id} still runs a metadata replica")
         self.nodes[node_id]["state"] = state
         return {"ok": True}
 
     def _apply_set_assignment(self, c: dict[str, Any]) -> dict[str, Any]:
         new = Assignment.from_json(c["assignment"])
         if new.version != self.assignment.version + 1 or len(new.shards) != len(self.assignment.shards):
-            return {"error": f"assignment {new.version} does not follow {self.assignment.version}",
-                    "conflict": True}
+            raise VersionConflict(f"assignment {new.version} does not follow {self.assignment.version}")
         if any(n >= len(self.nodes) or self.nodes[n]["state"] == "removed"
                for nodes in new.shards for n in nodes):
-            return {"error": "assignment places a replica on an unknown or removed node"}
+            raise InvalidRequest("assignment places a replica on an unknown or removed node")
         self.assignment = new
         return {"ok": True}
 
@@ -116,9 +117,9 @@ class MetaState:
         new = sorted(int(n) for n in c["members"])
         old = set(self.meta_members)
         if len(set(new)) != len(new) or len(old.symmetric_difference(new)) != 1 or len(new) < 2:
-            return {"error": f"metadata members {self.meta_members} -> {new}: one change at a time"}
+            raise InvalidRequest(f"metadata members {self.meta_members} -> {new}: one change at a time")
         if any(not 0 <= n < len(self.nodes) or self.nodes[n]["state"] == "removed" for n in new):
-            return {"error": "metadata members must be known, not removed nodes"}
+            raise InvalidRequest("metadata members must be known, not removed nodes")
         self.meta_members = new
         return {"ok": True}
 
@@ -133,14 +134,14 @@ class MetaState:
         """Queue one move for the rebalancer (it runs one at a time)."""
         shard, source, target = int(c["shard"]), int(c["source"]), int(c["target"])
         if self.rebalance.get("moving"):
-            return {"error": "a move is in progress", "busy": True}
+            raise Unavailable("a move is in progress")
         if not 0 <= shard < len(self.assignment.shards):
-            return {"error": f"no shard {shard}"}
+            raise InvalidRequest(f"no shard {shard}")
         nodes = self.assignment.nodes_of(shard)
         if source not in nodes or target in nodes:
-            return {"error": f"shard {shard} is on nodes {list(nodes)}: cannot move {source} -> {target}"}
+            raise InvalidRequest(f"shard {shard} is on nodes {list(nodes)}: cannot move {source} -> {target}")
         if not 0 <= target < len(self.nodes) or self.nodes[target]["state"] != "active":
-            return {"error": f"node {target} is not an active node"}
+            raise InvalidRequest(f"node {target} is not an active node")
         self.rebalance["moving"] = {"shard": shard, "source": source, "target": target}
         return {"ok": True}
 

@@ -1,156 +1,48 @@
-"""The shard state machine: the versioned keys of one shard, and the applied table.
+"""The shard state machine: the versioned keys of one shard, the applied table, the worker
+clocks and the user-snapshot catalog.
 
-``apply(command) -> result`` is deterministic and never raises (pysyncobj re-applies a raising entry
-forever): domain errors come back as ``KvpsError`` values, and every handler validates everything
-before it mutates anything, so a rejected command leaves the state — and ``state_hash()`` — as it
-was. Reads (``describe``, ``read_blocks``, ``read_rows``, ...) and the leader's pre-checks
+``apply(command) -> Applied`` (``kvps.machine``) is deterministic and never raises (pysyncobj
+re-applies a raising entry forever): domain errors come back as ``KvpsError`` values, and every
+handler validates everything before it mutates anything, so a rejected command leaves the state —
+and ``state_hash()`` — as it was. What the replica must do because of a command comes back as
+effects (new block versions to remember, a snapshot file to write, acknowledgements to hold).
+Reads (``describe``, ``read_blocks``, ``read_rows``, ...) and the leader's pre-checks
 (``check_push``, ``check_set``) are not part of apply and raise or return errors as documented.
 
-Dense blocks are immutable arrays inside immutable ``Block`` records replaced on update: a reader
-may keep a reference without a lock. Table rows are updated in place (see ``kvps.table``).
+Dense keys are ``kvps.dense``; table rows are updated in place (see ``kvps.table``).
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import mmap
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvps.applied import AppliedTable, Result
+from kvps.catalog import SnapshotCatalog
 from kvps.clocks import ClockTable
 from kvps.command import (
     Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Push, PushId, Set, SetRows,
     SnapshotStep,
 )
 from kvps.delta import frame
+from kvps.dense import Block, DenseKey, frozen
 from kvps.errors import (
     CodecError, InvalidRequest, KeyExists, KeyNotFound, KvpsError, ShapeMismatch, Unavailable,
     VersionConflict,
 )
+from kvps.machine import (
+    Applied, CompactLog, DropSnapshotFile, ForgetKey, ForgetVersions, HoldAcknowledgements,
+    ReleaseAcknowledgements, RememberBlocks, WriteSnapshotFile,
+)
 from kvps.merge import PushRequest, is_finite
-from kvps.optimizer import optimizer_from_dict
-from kvps.placement import DenseLayout
 from kvps.table import Table
 
-__all__ = ["Block", "DenseKey", "ShardState"]
+__all__ = ["ShardState"]
 
 SNAPSHOT_FORMAT = 1
-DEFAULT_MAX_SNAPSHOT_BYTES = 1 << 40
-MAX_LISTED_KEYS = 4096  # a user snapshot's catalog entry names its keys up to this many  # a snapshot is our own (checksummed) data; only sanity-capped
-
-
-def _frozen(arr: np.ndarray) -> np.ndarray:
-    arr.flags.writeable = False
-    return arr
-
-
-def _keep(arr: np.ndarray) -> np.ndarray:
-    """A block array from a decoded snapshot: a read-only view of immutable bytes (or of a
-    read-only mapped snapshot file) is kept as it is (no copy of a 1 GB restore); anything
-    writeable is copied, since blocks never change."""
-    if not arr.flags.writeable and isinstance(_base_of(arr), (bytes, mmap.mmap)):
-        return arr  # bytes are immutable; snapshot files are mapped read-only and never rewritten
-    return _frozen(arr.copy())
-
-
-def _base_of(arr: np.ndarray):
-    base = arr
-    while isinstance(base, np.ndarray) and base.base is not None:
-        base = base.base
-    if isinstance(base, memoryview):
-        return base.obj
-    return base
-
-
-def _spec(arr: np.ndarray) -> dict:
-    return {"shape": list(arr.shape), "dtype": arr.dtype.name}
-
-
-@dataclass(frozen=True, eq=False)
-class Block:
-    value: np.ndarray  # read-only, the block's shape and the key's dtype
-    version: int  # updates applied (a merged push of k counts k, a set counts 1)
-    step: int  # optimizer steps applied (one per applied entry)
-    state: dict[str, np.ndarray]  # optimizer state, read-only arrays shaped like value
-
-
-class DenseKey:
-    kind = "dense"
-
-    def __init__(self, key: str, layout: DenseLayout, optimizer: dict, merge: str) -> None:
-        self.key = key
-        self.layout = layout
-        self.optimizer_dict = optimizer
-        self.optimizer = optimizer_from_dict(optimizer)
-        self.merge = merge
-        self.blocks: dict[int, Block] = {}
-
-    def definition(self) -> dict:
-        lay = self.layout
-        return {"kind": self.kind, "shape": list(lay.shape), "dtype": lay.dtype,
-                "block_rows": lay.block_rows, "optimizer": self.optimizer_dict, "merge": self.merge}
-
-    def version(self) -> int:
-        return max((b.version for b in self.blocks.values()), default=0)
-
-    def new_block(self, value: np.ndarray) -> Block:
-        value = _frozen(np.array(value, dtype=self.layout.dtype, copy=True))
-        state = {k: _frozen(v) for k, v in self.optimizer.init_state(value).items()}
-        return Block(value, 0, 0, state)
-
-    def check_block(self, block: Any, arr: Any) -> KvpsError | None:
-        """Is ``arr`` a valid gradient / value for ``block`` of this key on this shard?"""
-        if not isinstance(arr, np.ndarray):
-            return InvalidRequest(f"block {block!r} of {self.key!r}: not an array", key=self.key)
-        is_int = isinstance(block, (int, np.integer)) and not isinstance(block, bool)
-        current = self.blocks.get(int(block)) if is_int else None
-        if current is None:
-            return InvalidRequest(f"block {block!r} of {self.key!r} is not on this shard",
-                                  key=self.key, block=block if isinstance(block, int) else None)
-        if arr.shape != current.value.shape or arr.dtype != current.value.dtype:
-            return ShapeMismatch(f"block {block} of {self.key!r} is {current.value.dtype}"
-                                 f"{list(current.value.shape)}, got {arr.dtype}{list(arr.shape)}",
-                                 key=self.key, block=block, expected=_spec(current.value),
-                                 actual=_spec(arr))
-        return None
-
-    def step_block(self, block: int, grad: np.ndarray, count: int) -> Block:
-        old = self.blocks[block]
-        value, state = self.optimizer.step(old.value, grad, old.state, old.step + 1)
-        value = _frozen(np.asarray(value, dtype=self.layout.dtype))
-        state = {k: _frozen(np.asarray(v, dtype=self.layout.dtype)) for k, v in state.items()}
-        return Block(value, old.version + count, old.step + 1, state)
-
-    def snapshot_parts(self) -> tuple[dict, list[np.ndarray]]:
-        names = self.optimizer.state_names()
-        blocks = [(b, self.blocks[b]) for b in sorted(self.blocks)]
-        arrays = [a for _, blk in blocks for a in (blk.value, *(blk.state[n] for n in names))]
-        meta = {"key": self.key, **self.definition(),
-                "blocks": [[b, blk.version, blk.step] for b, blk in blocks]}
-        return meta, arrays
-
-    @classmethod
-    def from_snapshot(cls, meta: dict, arrays: list[np.ndarray]) -> tuple["DenseKey", int]:
-        """The key ``snapshot_parts`` described, and how many arrays it used (ValueError if bad)."""
-        cmd = CreateKey(meta["key"], tuple(meta["shape"]), meta["dtype"], meta["block_rows"],
-                        meta["optimizer"], meta["merge"], ())  # validates the definition
-        entry = cls(cmd.key, cmd.layout, cmd.optimizer, cmd.merge)
-        names = entry.optimizer.state_names()
-        at = 0
-        for b, version, step in meta["blocks"]:
-            value, *state = arrays[at:at + 1 + len(names)]
-            at += 1 + len(names)
-            shape = cmd.layout.block_shape(b)
-            if len(state) != len(names) or any(a.shape != shape or a.dtype.name != cmd.dtype
-                                               for a in (value, *state)):
-                raise ValueError(f"block {b} of {cmd.key!r} has the wrong shape")
-            entry.blocks[int(b)] = Block(_keep(value), int(version), int(step),
-                                         {n: _keep(a) for n, a in zip(names, state)})
-        return entry, at
-
+DEFAULT_MAX_SNAPSHOT_BYTES = 1 << 40  # a snapshot is our own (checksummed) data; only sanity-capped
 
 Entry = DenseKey | Table
 
@@ -165,29 +57,29 @@ class ShardState:
         self._keys: dict[str, Entry] = {}
         self._applied = AppliedTable(self.session_ttl)
         self._clocks = ClockTable()
+        self._catalog = SnapshotCatalog(shard)
         # cluster time: the largest time stamped into a command applied so far (kvps.clocks); the
         # time sessions and leases are judged by, never moving back
         self.time = 0.0
-        # user snapshots this shard took part in: id -> {"id", "label", "created", "time",
-        # "state" (pending | sealed | complete), "keys", "digest", "size"}
-        self._snapshots: dict[str, dict] = {}
 
     # ---- apply ------------------------------------------------------------------------------
 
-    def apply(self, cmd: Command) -> Any:
-        """Apply one committed command; the result or a ``KvpsError`` value, never an exception."""
+    def apply(self, cmd: Command) -> Applied:
+        """Apply one committed command: its result (or a ``KvpsError`` value) and the effects it
+        asks for; never an exception. A handler returns a result, or an ``Applied``."""
         handler = _HANDLERS.get(type(cmd))
         if handler is None:
-            return InvalidRequest(f"not a command: {type(cmd).__name__}")
+            return Applied(InvalidRequest(f"not a command: {type(cmd).__name__}"))
         try:
             with np.errstate(all="ignore"):  # overflow in a user's gradient is their business
-                return handler(self, cmd)
+                out = handler(self, cmd)
         except KvpsError as exc:  # handlers raise only before they mutate
-            return exc
+            return Applied(exc)
         except Exception as exc:  # noqa: BLE001 - a raising apply would be re-applied forever
-            return InvalidRequest(f"could not apply {type(cmd).__name__}: {exc!r}")
+            return Applied(InvalidRequest(f"could not apply {type(cmd).__name__}: {exc!r}"))
+        return out if isinstance(out, Applied) else Applied(out)
 
-    def _create_key(self, cmd: CreateKey) -> dict:
+    def _create_key(self, cmd: CreateKey) -> Applied:
         """Create the key, or add blocks it lacks: a client may split one key's create into several
         commands per shard. Blocks already here keep their value (a retried create is a no-op).
         ``created``: whether this command created the key or any block."""
@@ -204,7 +96,8 @@ class ShardState:
         if existing is None or new:
             entry.blocks = dict(sorted({**entry.blocks, **new}.items()))
             self._keys[cmd.key] = entry
-        return {"created": existing is None or bool(new)}
+        return Applied({"created": existing is None or bool(new)},
+                       _remember(cmd.key, [(b, blk) for b, blk in sorted(new.items())]))
 
     def _create_table(self, cmd: CreateTable) -> dict:
         entry = Table(cmd.key, cmd.dim, cmd.dtype, cmd.optimizer, cmd.init, cmd.merge)
@@ -215,8 +108,8 @@ class ShardState:
             return {"created": False}
         raise KeyExists(f"key {cmd.key!r} exists with another definition", key=cmd.key)
 
-    def _delete_key(self, cmd: DeleteKey) -> dict:
-        return {"deleted": self._keys.pop(cmd.key, None) is not None}
+    def _delete_key(self, cmd: DeleteKey) -> Applied:
+        return Applied({"deleted": self._keys.pop(cmd.key, None) is not None}, (ForgetKey(cmd.key),))
 
     def _barrier(self, cmd: Barrier) -> dict:
         return {"barrier": cmd.term}
@@ -231,59 +124,32 @@ class ShardState:
         table.commit(table.plan_set(cmd.ids, cmd.values))  # type: ignore[union-attr]
         return {"rows": len(cmd.ids)}
 
-    def _snapshot_step(self, cmd: SnapshotStep) -> dict:
-        """The catalog side of a user snapshot. Every step is idempotent (the coordinator retries);
-        the files are the replica's business (``kvps.replica``), and ``restore`` needs the
-        snapshot's state: see ``apply_restore``."""
-        entry = self._snapshots.get(cmd.snap_id)
-        if cmd.op == "cut":
-            if entry is None:
-                # key names (up to a cap) so a listing can count keys split over several shards once
-                names = sorted(self._keys) if len(self._keys) <= MAX_LISTED_KEYS else None
-                entry = {"id": cmd.snap_id, "label": cmd.label, "created": cmd.at, "time": None,
-                         "state": "pending", "keys": len(self._keys), "names": names,
-                         "digest": "", "size": 0}
-                self._snapshots[cmd.snap_id] = entry
-                return {"snapshot": dict(entry), "cut": True}
-            return {"snapshot": dict(entry), "cut": False}
+    def _snapshot_step(self, cmd: SnapshotStep) -> Applied:
+        """The catalog side of a user snapshot (``kvps.catalog``). The first cut of a snapshot
+        asks for its file (the state as of this entry) and holds later acknowledgements until the
+        seal fixes its time; seal and drop release them."""
+        result, cut = self._catalog.step(cmd, list(self._keys))
+        effects: tuple = ()
+        if cut:
+            meta, arrays = self.snapshot_parts()
+            effects = (WriteSnapshotFile(cmd.snap_id, meta, tuple(arrays)),
+                       HoldAcknowledgements(cmd.snap_id))
+        elif cmd.op in ("seal", "drop"):
+            effects = (ReleaseAcknowledgements(cmd.snap_id),)
         if cmd.op == "drop":
-            return {"dropped": self._snapshots.pop(cmd.snap_id, None) is not None}
-        if entry is None:
-            raise KeyNotFound(f"no snapshot {cmd.snap_id!r} on shard {self.shard}", snapshot=cmd.snap_id)
-        if cmd.op == "seal":
-            if entry["state"] == "pending":
-                entry.update(state="sealed", time=cmd.at)
-            return {"snapshot": dict(entry)}
-        if cmd.op == "commit":
-            if entry["state"] == "pending":
-                raise InvalidRequest(f"snapshot {cmd.snap_id!r} is not sealed", snapshot=cmd.snap_id)
-            if entry["state"] == "sealed":
-                entry.update(state="complete", digest=cmd.digest, size=cmd.size)
-            return {"snapshot": dict(entry)}
-        raise InvalidRequest("a restore is applied with the snapshot's state (apply_restore)",
-                             snapshot=cmd.snap_id)
+            effects += (DropSnapshotFile(cmd.snap_id),)
+        return Applied(result, effects)
 
     def snapshot_entry(self, snap_id: str) -> dict | None:
-        entry = self._snapshots.get(snap_id)
-        return None if entry is None else dict(entry)
+        return self._catalog.entry(snap_id)
 
     def snapshot_catalog(self) -> list[dict]:
-        return [dict(e) for _, e in sorted(self._snapshots.items())]
+        return self._catalog.listing()
 
     def check_restore(self, cmd: SnapshotStep) -> KvpsError | None:
-        entry = self._snapshots.get(cmd.snap_id)
-        if cmd.op != "restore":
-            return InvalidRequest("not a restore step")
-        if entry is None or entry["state"] != "complete":
-            return KeyNotFound(f"no complete snapshot {cmd.snap_id!r} on shard {self.shard}",
-                               snapshot=cmd.snap_id)
-        if entry["digest"] != cmd.digest:
-            return InvalidRequest(f"snapshot {cmd.snap_id!r} of shard {self.shard} has digest "
-                                  f"{entry['digest']}, the restore names {cmd.digest}",
-                                  snapshot=cmd.snap_id)
-        return None
+        return self._catalog.check_restore(cmd)
 
-    def apply_restore(self, cmd: SnapshotStep, snap: "ShardState | None") -> Any:
+    def apply_restore(self, cmd: SnapshotStep, snap: "ShardState | None") -> Applied:
         """Replace the keys with ``snap``'s (the state the snapshot's file holds, checked against
         the committed digest by the caller; ``None`` if the caller could not load it, which is an
         error value and changes nothing).
@@ -297,9 +163,8 @@ class ShardState:
         if err is None and snap is None:
             err = Unavailable(f"snapshot {cmd.snap_id!r} of shard {self.shard} could not be loaded",
                               snapshot=cmd.snap_id)
-        if err is not None:
-            return err
-        assert snap is not None
+        if err is not None or snap is None:
+            return Applied(err)
         floor = 1 + max((self._version(k) for k in self._keys), default=0)
         keys: dict[str, Entry] = {}
         for key in sorted(snap._keys):
@@ -311,13 +176,14 @@ class ShardState:
                 entry.bump_versions(floor)
             keys[key] = entry
         self._keys = keys
-        return {"restored": cmd.snap_id, "keys": len(keys), "version_floor": floor}
+        return Applied({"restored": cmd.snap_id, "keys": len(keys), "version_floor": floor},
+                       (ForgetVersions(), CompactLog()))
 
     def _clock_tick(self, cmd: ClockTick) -> dict:
         return {"clocks": self._clocks.tick(self._advance(cmd.now), cmd.job, cmd.worker, cmd.step,
                                             cmd.lease_s)}
 
-    def _push(self, cmd: Push) -> dict:
+    def _push(self, cmd: Push) -> Any:
         if self.dedup:
             found = {(p.client, p.seq): self._applied.lookup(p.client, p.seq) for p in cmd.pushes}
             if any(r is not None for r in found.values()):
@@ -345,7 +211,8 @@ class ShardState:
         if self.dedup:
             self._applied.record([(p.client, p.seq, p.floor, results[(p.client, p.seq)])
                                   for p in cmd.pushes], now)
-        return {"results": results}
+        return Applied({"results": results},
+                       tuple(e for k, b, blk in dense for e in _remember(k.key, [(b, blk)])))
 
     def _push_errors(self, cmd: Push) -> dict[str, KvpsError]:
         """The first error per bad key of ``cmd`` (empty: everything fits)."""
@@ -408,13 +275,13 @@ class ShardState:
         new = {}
         for b, arr in cmd.blocks:
             old = entry.blocks[b]  # the optimizer state carries over, as in torch after a copy_
-            new[b] = Block(_frozen(np.array(arr, copy=True)), old.version + 1, old.step, old.state)
+            new[b] = Block(frozen(np.array(arr, copy=True)), old.version + 1, old.step, old.state)
         entry.blocks.update(new)
         result = {"versions": {cmd.key: entry.version()}}
         now = self._advance(cmd.now)
         if self.dedup:
             self._applied.record([(cmd.client, cmd.seq, cmd.floor, result)], now)
-        return result
+        return Applied(result, _remember(cmd.key, sorted(new.items())))
 
     def _advance(self, stamp: float) -> float:
         """A command stamped ``stamp`` has changed the state: the cluster time it happened at. A
@@ -494,10 +361,34 @@ class ShardState:
         """The live worker clocks of ``job`` at ``now`` (the reader's time)."""
         return self._clocks.live(job, now)
 
+    def block_version_or_absent(self, key: str, block: int) -> int:
+        """-1 for a block this replica has not seen created (it may be behind the leader)."""
+        entry = self._keys.get(key)
+        found = entry.blocks.get(block) if isinstance(entry, DenseKey) else None
+        return -1 if found is None else found.version
+
+    def current_versions(self, req: PushRequest) -> dict[str, int]:
+        """The versions a push of ``req``'s keys would report now (one dropped on purpose)."""
+        out: dict[str, int] = {}
+        for key, block, _ in req.dense:
+            out[key] = max(out.get(key, 0), self.block_versions(key, [block])[0])
+        for key, ids, _ in req.rows:
+            out[key] = max([out.get(key, 0), *map(int, self.read_rows(key, ids)[1])])
+        return out
+
     def lookup_push(self, client: str, seq: int) -> Result | None:
         return self._applied.lookup(client, seq) if self.dedup else None
 
     # ---- leader pre-checks (the same rules apply re-checks) ------------------------------------
+
+    def admit_push(self, req: PushRequest, nonfinite: str = "reject") -> tuple[
+            KvpsError | None, Result | None, dict[str, str]]:
+        """What the leader needs before it batches ``req``: the error that refuses it (or None),
+        the stored result if the push id was applied already (or None), and the merge mode of
+        each key it names (for the batcher)."""
+        err = self.check_push(req, nonfinite)
+        modes = {} if err is not None else {k: self._keys[k].merge for k in req.keys()}
+        return err, self.lookup_push(req.client, req.seq), modes
 
     def check_push(self, req: PushRequest, nonfinite: str = "reject") -> KvpsError | None:
         try:
@@ -559,8 +450,8 @@ class ShardState:
             meta["time"] = self.time
         if self._clocks.jobs:  # only when present: snapshots without clocks keep their old bytes
             meta["clocks"] = self._clocks.to_json()
-        if self._snapshots:  # likewise
-            meta["snapshots"] = self.snapshot_catalog()
+        if self._catalog.entries:  # likewise
+            meta["snapshots"] = self._catalog.listing()
         return meta, arrays
 
     @classmethod
@@ -592,12 +483,18 @@ class ShardState:
         state._applied.load_json(json.loads(arrays[-1].tobytes().decode("utf-8")))
         state._clocks.load_json(m.get("clocks", []))
         state.time = float(m.get("time", 0.0))  # older snapshots: the next stamp sets it
-        for entry in m.get("snapshots", []):
-            state._snapshots[str(entry["id"])] = dict(entry)
+        state._catalog.load(m.get("snapshots", []))
         return state
 
     def state_hash(self) -> str:
         return hashlib.blake2b(self.snapshot(), digest_size=32).hexdigest()
+
+
+def _remember(key: str, blocks: list[tuple[int, Block]]) -> tuple[RememberBlocks, ...]:
+    """The effect that keeps new block versions for deltas (nothing when no block changed)."""
+    if not blocks:
+        return ()
+    return (RememberBlocks(tuple((key, b, blk.version, blk.value) for b, blk in blocks)),)
 
 
 def _rejected(pushes: tuple[PushId, ...], bad: dict[str, KvpsError]) -> dict:

@@ -47,7 +47,7 @@ async def until(predicate, timeout: float = 2.0):
 
 def make(raft: FakeRaft, **cfg) -> PushBatcher:
     cfg.setdefault("merge_window", 0.0)
-    return PushBatcher(raft.propose, lambda key: "sum", ServerConfig(**cfg), clock=lambda: 1000.0)
+    return PushBatcher(raft.propose, ServerConfig(**cfg), clock=lambda: 1000.0)
 
 
 def test_idle_push_is_proposed_at_once_and_later_ones_merge_behind_it():

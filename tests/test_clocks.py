@@ -84,14 +84,14 @@ def test_same_log_gives_identical_snapshots_with_clocks_also_after_restore():
     a, b = ShardState(1), ShardState(1)
     half = len(log) // 2
     for data in log[:half]:
-        a.apply(decode_command(data))
-        b.apply(decode_command(data))
+        a.apply(decode_command(data)).result
+        b.apply(decode_command(data)).result
     assert a.snapshot() == b.snapshot() and a._clocks.jobs  # the log left live clocks behind
     c = ShardState.restore(a.snapshot())
     assert c.snapshot() == a.snapshot()
     for data in log[half:]:
-        ra, rc = a.apply(decode_command(data)), c.apply(decode_command(data))
-        b.apply(decode_command(data))
+        ra, rc = a.apply(decode_command(data)).result, c.apply(decode_command(data)).result
+        b.apply(decode_command(data)).result
         assert ra == rc
     assert a.snapshot() == b.snapshot() == c.snapshot()
     assert a.state_hash() == c.state_hash()
@@ -100,16 +100,16 @@ def test_same_log_gives_identical_snapshots_with_clocks_also_after_restore():
 def test_shard_apply_and_read_clocks():
     s = ShardState(0)
     before = s.snapshot()
-    assert s.apply(ClockTick(10.0, "j", "a", 2, 5.0)) == {"clocks": {"a": 2}}
+    assert s.apply(ClockTick(10.0, "j", "a", 2, 5.0)).result == {"clocks": {"a": 2}}
     assert s.clocks("j", 14.9) == {"a": 2} and s.clocks("j", 15.0) == {}
     assert s.snapshot() != before  # the clocks are part of the replicated state
-    assert isinstance(s.apply(ClockTick.__new__(ClockTick)), InvalidRequest)  # never raises
-    s.apply(ClockTick(11.0, "j", "a", 2, 0.0))
+    assert isinstance(s.apply(ClockTick.__new__(ClockTick)).result, InvalidRequest)  # never raises
+    s.apply(ClockTick(11.0, "j", "a", 2, 0.0)).result
     from kvps.delta import frame
     meta = frame.decode(s.snapshot()).meta
     assert "clocks" not in meta and meta["time"] == 11.0  # no clocks left; the time stays
     assert frame.decode(before).meta.keys() == meta.keys() - {"time"}
-    s.apply(ClockTick(3.0, "j", "b", 1, 5.0))  # a stamp from behind: time does not go back
+    s.apply(ClockTick(3.0, "j", "b", 1, 5.0)).result  # a stamp from behind: time does not go back
     assert s.time == 11.0 and s.clocks("j", 15.9) == {"b": 1} and s.clocks("j", 16.0) == {}
 
 
@@ -130,7 +130,7 @@ def test_cluster_time_follows_applied_stamps_and_monotonic_time_never_a_wall_clo
 def test_corrupt_clocks_in_a_snapshot_are_codec_errors():
     from kvps.delta import frame
     s = ShardState(0)
-    s.apply(ClockTick(1.0, "j", "a", 2, 5.0))
+    s.apply(ClockTick(1.0, "j", "a", 2, 5.0)).result
     f = frame.decode(s.snapshot())
     bad = frame.encode(frame.KIND_SNAPSHOT, {**f.meta, "clocks": [["j", [["a", "two", 6.0]]]]}, f.arrays)
     with pytest.raises(CodecError):

@@ -9,7 +9,7 @@ from pysyncobj import SyncObj
 
 from kvps.assignment import Assignment
 from kvps.config import ClusterConfig, NodeConfig
-from kvps.errors import InvalidRequest
+from kvps.errors import InvalidRequest, KvpsError, VersionConflict
 
 
 def src(obj) -> str:
@@ -70,7 +70,7 @@ def settle(state: MetaState, replicas: int = 3, limit: int = 100) -> list[tuple[
         shard, source, target = move
         nodes = [target if n == source else n for n in state.assignment.nodes_of(shard)]
         assert state.apply({"op": "set_assignment",
-                            "assignment": state.assignment.with_shard(shard, nodes).to_json()})["ok"]
+                            "assignment": state.assignment.with_shard(shard, nodes).to_json()}).result["ok"]
         moves.append(move)
         assert len(moves) < limit
     return moves
@@ -78,7 +78,7 @@ def settle(state: MetaState, replicas: int = 3, limit: int = 100) -> list[tuple[
 
 def add_node(state: MetaState, port: int) -> int:
     return state.apply({"op": "add_node", "host": "127.0.0.1", "admin_port": port,
-                        "port_base": port + 1, "scheme": "http"})["id"]
+                        "port_base": port + 1, "scheme": "http"}).result["id"]
 
 
 def test_join_is_idempotent_and_refuses_taken_ports():
@@ -86,9 +86,9 @@ def test_join_is_idempotent_and_refuses_taken_ports():
     assert add_node(state, 9000) == 3
     assert add_node(state, 9000) == 3  # a retried join gets its id back
     r = state.apply({"op": "add_node", "host": "127.0.0.1", "admin_port": 9100, "port_base": 9001,
-                     "scheme": "http"})
-    assert "error" in r and len(state.nodes) == 4
-    assert state.apply({"op": "nope"})["error"]
+                     "scheme": "http"}).result
+    assert isinstance(r, KvpsError) and len(state.nodes) == 4
+    assert isinstance(state.apply({"op": "nope"}).result, KvpsError)
     assert meta_address(cfg(3, 8).node(1), 8).endswith(":7216")
 
 
@@ -108,12 +108,12 @@ def test_draining_moves_every_replica_away_then_the_node_can_be_removed():
     state = MetaState.initial(cfg(3, 8))
     add_node(state, 9000), add_node(state, 9100)
     settle(state)
-    assert state.apply({"op": "set_node_state", "id": 4, "state": "removed"})["error"]  # still hosts
+    assert isinstance(state.apply({"op": "set_node_state", "id": 4, "state": "removed"}).result, KvpsError)  # still hosts
     for n in (3, 4):
-        assert state.apply({"op": "set_node_state", "id": n, "state": "draining"})["ok"]
+        assert state.apply({"op": "set_node_state", "id": n, "state": "draining"}).result["ok"]
     settle(state)
     assert state.assignment.shards_of(3) == state.assignment.shards_of(4) == []
-    assert state.apply({"op": "set_node_state", "id": 4, "state": "removed"})["ok"]
+    assert state.apply({"op": "set_node_state", "id": 4, "state": "removed"}).result["ok"]
     load = state.assignment.load([0, 1, 2])
     assert load == {0: 8, 1: 8, 2: 8}
 
@@ -121,32 +121,32 @@ def test_draining_moves_every_replica_away_then_the_node_can_be_removed():
 def test_an_interrupted_move_is_resumed_first_and_stale_assignments_conflict():
     state = MetaState.initial(cfg(3, 8))
     add_node(state, 9000)
-    state.apply({"op": "rebalance", "moving": {"shard": 5, "source": 0, "target": 3}, "moves_done": 2})
+    state.apply({"op": "rebalance", "moving": {"shard": 5, "source": 0, "target": 3}, "moves_done": 2}).result
     assert plan_move(state, 3) == (5, 0, 3)
     stale = state.assignment.to_json()  # same version: does not follow the current one
-    assert state.apply({"op": "set_assignment", "assignment": stale}).get("conflict")
+    assert isinstance(state.apply({"op": "set_assignment", "assignment": stale}).result, VersionConflict)
 
 
 def test_a_draining_metadata_node_hands_its_shards_over_first_then_its_metadata_replica():
     state = MetaState.initial(cfg(3, 4))
     add_node(state, 9000)
     settle(state)
-    assert state.apply({"op": "set_node_state", "id": 0, "state": "draining"})["ok"]
+    assert state.apply({"op": "set_node_state", "id": 0, "state": "draining"}).result["ok"]
     assert plan_meta_move(state) is None  # its shard replicas move first
     settle(state)
     assert state.assignment.shards_of(0) == [] and plan_move(state, 3) is None
-    assert state.apply({"op": "set_node_state", "id": 0, "state": "removed"})["error"]  # still a member
+    assert isinstance(state.apply({"op": "set_node_state", "id": 0, "state": "removed"}).result, KvpsError)  # still a member
     assert plan_meta_move(state) == (0, 3)
-    state.apply({"op": "rebalance", "moving": {"meta": True, "source": 0, "target": 3}})
+    state.apply({"op": "rebalance", "moving": {"meta": True, "source": 0, "target": 3}}).result
     assert plan_move(state, 3) is None and plan_meta_move(state) == (0, 3)  # resumed first
     # one change at a time: add the target, then drop the source
-    assert state.apply({"op": "set_meta_members", "members": [1, 2, 3]})["error"]
-    assert state.apply({"op": "set_meta_members", "members": [0, 1, 2, 3]})["ok"]
-    assert state.apply({"op": "set_meta_members", "members": [1, 2, 3]})["ok"]
-    state.apply({"op": "rebalance", "moving": None})
+    assert isinstance(state.apply({"op": "set_meta_members", "members": [1, 2, 3]}).result, KvpsError)
+    assert state.apply({"op": "set_meta_members", "members": [0, 1, 2, 3]}).result["ok"]
+    assert state.apply({"op": "set_meta_members", "members": [1, 2, 3]}).result["ok"]
+    state.apply({"op": "rebalance", "moving": None}).result
     assert plan_meta_move(state) is None and state.meta_members == [1, 2, 3]
-    assert state.apply({"op": "set_node_state", "id": 0, "state": "removed"})["ok"]
-    assert state.apply({"op": "set_meta_members", "members": [0, 1, 2, 3]})["error"]  # removed
+    assert state.apply({"op": "set_node_state", "id": 0, "state": "removed"}).result["ok"]
+    assert isinstance(state.apply({"op": "set_meta_members", "members": [0, 1, 2, 3]}).result, KvpsError)  # removed
 
 
 def test_metadata_states_from_before_meta_members_restore_with_the_first_three():
@@ -197,8 +197,8 @@ class _Meta:
         return True
 
     async def propose(self, command: dict) -> dict:
-        result = self._state.apply(copy.deepcopy(command))
-        assert "error" not in result, result
+        result = self._state.apply(copy.deepcopy(command)).result
+        assert not isinstance(result, KvpsError), result
         return result
 
 

@@ -73,11 +73,11 @@ def test_dense_push_through_shard_matches_torch(case):
     grads = _grads(4, (5, 3))
     shard = ShardState(0)
     blocks = ((0, start[0:2]), (1, start[2:4]), (2, start[4:5]))
-    shard.apply(CreateKey("w", (5, 3), "float32", 2, optimizer_to_dict(ours), "sum", blocks))
+    shard.apply(CreateKey("w", (5, 3), "float32", 2, optimizer_to_dict(ours), "sum", blocks)).result
     for seq, g in enumerate(grads, start=1):
         req = PushRequest("c", seq, seq, tuple(("w", b, g[2 * b:2 * b + 2]) for b in range(3)))
         assert shard.check_push(req) is None
-        result = shard.apply(merge([req], {"w": "sum"}, now=float(seq)))
+        result = shard.apply(merge([req], {"w": "sum"}, now=float(seq))).result
         assert result["results"][("c", seq)] == {"versions": {"w": seq}}
     got = np.concatenate([v for _, v in shard.read_blocks("w", [0, 1, 2])])
     np.testing.assert_allclose(got, _torch_run(torch_cls, kwargs, start, grads), rtol=RTOL, atol=ATOL)
@@ -91,7 +91,7 @@ def test_table_rows_step_only_when_pushed(case):
     init = Normal(std=0.5, seed=7)
     dim, n_ids = 3, 8
     shard = ShardState(0)
-    shard.apply(CreateTable("e", dim, "float32", optimizer_to_dict(ours), initializer_to_dict(init), "sum"))
+    shard.apply(CreateTable("e", dim, "float32", optimizer_to_dict(ours), initializer_to_dict(init), "sum")).result
     params = [torch.nn.Parameter(torch.from_numpy(init.rows(np.array([i]), dim, np.float32)[0]))
               for i in range(n_ids)]
     opts = [torch_cls([p], foreach=False, **kwargs) for p in params]
@@ -104,7 +104,7 @@ def test_table_rows_step_only_when_pushed(case):
             g = rng.standard_normal((len(ids), dim)).astype(np.float32)
             total[ids] += g
             reqs.append(PushRequest(client, seq, seq, rows=(("e", ids, g),)))
-        shard.apply(merge(reqs, {"e": "sum"}, now=float(seq)))
+        shard.apply(merge(reqs, {"e": "sum"}, now=float(seq))).result
         touched = sorted({int(i) for r in reqs for i in r.rows[0][1]})
         for i in touched:
             params[i].grad = torch.from_numpy(total[i].copy())

@@ -27,8 +27,8 @@ def _state(**kw) -> ShardState:
     """Dense 'w' (5, 2) float32 in blocks of 2 (this shard owns 0 and 2) and table 'e' (dim 3)."""
     s = ShardState(0, **kw)
     w = np.arange(10, dtype=np.float32).reshape(5, 2)
-    assert s.apply(CreateKey("w", (5, 2), "float32", 2, ADD, "sum", ((0, w[0:2]), (2, w[4:5])))) == {"created": True}
-    assert s.apply(CreateTable("e", 3, "float32", ADD, NORMAL, "sum")) == {"created": True}
+    assert s.apply(CreateKey("w", (5, 2), "float32", 2, ADD, "sum", ((0, w[0:2]), (2, w[4:5])))).result == {"created": True}
+    assert s.apply(CreateTable("e", 3, "float32", ADD, NORMAL, "sum")).result == {"created": True}
     return s
 
 
@@ -40,18 +40,18 @@ def _push(client, seq, floor=None, w=None, rows=None, now=1.0):
 
 
 def _apply_push(s, reqs, now=1.0, modes=None):
-    return s.apply(merge(reqs, modes or {}, now=now))["results"]
+    return s.apply(merge(reqs, modes or {}, now=now)).result["results"]
 
 
 def test_create_same_definition_is_a_noop_and_different_is_key_exists():
     s = _state()
     before = s.state_hash()
     same = CreateKey("w", (5, 2), "float32", 2, ADD, "sum", ((0, np.zeros((2, 2), np.float32)),))
-    assert s.apply(same) == {"created": False}
-    assert s.apply(CreateTable("e", 3, "float32", ADD, NORMAL, "sum")) == {"created": False}
-    assert isinstance(s.apply(CreateKey("w", (5, 2), "float32", 2, ADD, "mean", ())), KeyExists)
-    assert isinstance(s.apply(CreateTable("w", 3, "float32", ADD, NORMAL, "sum")), KeyExists)
-    assert isinstance(s.apply(CreateTable("e", 4, "float32", ADD, NORMAL, "sum")), KeyExists)
+    assert s.apply(same).result == {"created": False}
+    assert s.apply(CreateTable("e", 3, "float32", ADD, NORMAL, "sum")).result == {"created": False}
+    assert isinstance(s.apply(CreateKey("w", (5, 2), "float32", 2, ADD, "mean", ())).result, KeyExists)
+    assert isinstance(s.apply(CreateTable("w", 3, "float32", ADD, NORMAL, "sum")).result, KeyExists)
+    assert isinstance(s.apply(CreateTable("e", 4, "float32", ADD, NORMAL, "sum")).result, KeyExists)
     assert s.state_hash() == before
 
 
@@ -60,13 +60,13 @@ def test_create_in_parts_adds_missing_blocks_and_keeps_existing_ones():
     _apply_push(s, [_push("a", 1, w={0: np.ones((2, 2))})])
     part = CreateKey("w", (5, 2), "float32", 2, ADD, "sum",
                      ((0, np.zeros((2, 2), np.float32)), (1, np.full((2, 2), 5, np.float32))))
-    assert s.apply(part) == {"created": True}
+    assert s.apply(part).result == {"created": True}
     assert s.describe("w")["blocks"] == [0, 1, 2]
     (v0, b0), (v1, b1) = s.read_blocks("w", [0, 1])
     assert (v0, b0.tolist()) == (1, [[1, 2], [3, 4]])  # kept, not re-initialised
     assert (v1, b1.tolist()) == (0, [[5, 5], [5, 5]])
     before = s.state_hash()
-    assert s.apply(part) == {"created": False} and s.state_hash() == before
+    assert s.apply(part).result == {"created": False} and s.state_hash() == before
 
 
 def test_push_updates_versions_values_and_reports_max_version():
@@ -96,11 +96,11 @@ def test_read_values_are_immutable_snapshots():
 
 def test_mean_merge_divides_by_count():
     s = ShardState(1)
-    s.apply(CreateKey("m", (2,), "float64", 2, ADD, "mean", ((0, np.zeros(2)),)))
-    s.apply(CreateTable("t", 1, "float64", ADD, ZEROS, "mean"))
+    s.apply(CreateKey("m", (2,), "float64", 2, ADD, "mean", ((0, np.zeros(2)),))).result
+    s.apply(CreateTable("t", 1, "float64", ADD, ZEROS, "mean")).result
     reqs = [PushRequest(c, 1, 1, (("m", 0, np.array([x, 0.0])),), (("t", np.int64([4]), np.array([[x]])),))
             for c, x in (("a", 1.0), ("b", 2.0), ("c", 6.0))]
-    s.apply(merge(reqs, {"m": "mean", "t": "mean"}, now=0.0))
+    s.apply(merge(reqs, {"m": "mean", "t": "mean"}, now=0.0)).result
     assert s.read_blocks("m", [0])[0][0] == 3 and s.read_blocks("m", [0])[0][1].tolist() == [3.0, 0.0]
     values, versions = s.read_rows("t", np.int64([4]))
     assert values.tolist() == [[3.0]] and versions.tolist() == [3]
@@ -146,7 +146,7 @@ def test_results_per_client_are_capped():
     n = 10001
     cmd = Push(1.0, tuple(PushId("a", q, 0, ("w",)) for q in range(n)),
                (DenseDelta("w", 0, np.ones((2, 2), np.float32), n),), ())
-    s.apply(cmd)
+    s.apply(cmd).result
     assert isinstance(s.lookup_push("a", 0), PushExpired)
     assert s.lookup_push("a", 1) == {"versions": {"w": n}}
     assert s.read_blocks("w", [0])[0][0] == n
@@ -225,19 +225,19 @@ def test_check_push_rejections():
 def test_set_compare_and_set():
     s = _state()
     two = np.full((2, 2), 7, np.float32)
-    res = s.apply(Set(1.0, "c", 1, 1, "w", ((0, two),), expected_version=0))
+    res = s.apply(Set(1.0, "c", 1, 1, "w", ((0, two),), expected_version=0)).result
     assert res == {"versions": {"w": 1}} and s.read_blocks("w", [0])[0][1].tolist() == two.tolist()
-    assert s.apply(Set(2.0, "c", 1, 1, "w", ((0, two),), expected_version=0)) == res  # retried: same answer
+    assert s.apply(Set(2.0, "c", 1, 1, "w", ((0, two),), expected_version=0)).result == res  # retried: same answer
     before = s.state_hash()
-    conflict = s.apply(Set(2.0, "c", 2, 2, "w", ((0, two),), expected_version=0))
+    conflict = s.apply(Set(2.0, "c", 2, 2, "w", ((0, two),), expected_version=0)).result
     assert isinstance(conflict, VersionConflict) and (conflict.expected, conflict.actual) == (0, 1)
-    assert isinstance(s.apply(Set(2.0, "c", 3, 3, "nope", ((0, two),), None)), KeyNotFound)
-    assert isinstance(s.apply(Set(2.0, "c", 4, 4, "w", ((0, np.ones((1, 2), np.float32)),), None)), ShapeMismatch)
-    assert isinstance(s.apply(Set(2.0, "c", 5, 5, "e", ((0, two),), None)), InvalidRequest)
-    assert isinstance(s.apply(Set(2.0, "c", 6, 6, "w", ((1, two),), None)), InvalidRequest)
-    assert isinstance(s.apply(Set(2.0, "c", 7, 7, "w", (), None)), InvalidRequest)
+    assert isinstance(s.apply(Set(2.0, "c", 3, 3, "nope", ((0, two),), None)).result, KeyNotFound)
+    assert isinstance(s.apply(Set(2.0, "c", 4, 4, "w", ((0, np.ones((1, 2), np.float32)),), None)).result, ShapeMismatch)
+    assert isinstance(s.apply(Set(2.0, "c", 5, 5, "e", ((0, two),), None)).result, InvalidRequest)
+    assert isinstance(s.apply(Set(2.0, "c", 6, 6, "w", ((1, two),), None)).result, InvalidRequest)
+    assert isinstance(s.apply(Set(2.0, "c", 7, 7, "w", (), None)).result, InvalidRequest)
     assert s.state_hash() == before
-    assert s.apply(Set(3.0, "c", 8, 8, "w", ((0, two), (2, np.ones((1, 2), np.float32))), None)) == \
+    assert s.apply(Set(3.0, "c", 8, 8, "w", ((0, two), (2, np.ones((1, 2), np.float32))), None)).result == \
         {"versions": {"w": 2}}
     assert s.block_versions("w", [0, 2]) == [2, 1]
     nan = Set(3.0, "c", 9, 9, "w", ((0, np.full((2, 2), np.nan, np.float32)),), None)
@@ -247,20 +247,20 @@ def test_set_compare_and_set():
 def test_set_keeps_optimizer_state():
     s = ShardState(0)
     s.apply(CreateKey("w", (1,), "float64", 1, {"name": "sgd", "lr": 1.0, "momentum": 0.5}, "sum",
-                      ((0, np.zeros(1)),)))
-    _ = s.apply(merge([PushRequest("a", 1, 1, (("w", 0, np.ones(1)),))], {}, now=0.0))  # buf = 1
-    s.apply(Set(0.0, "a", 2, 2, "w", ((0, np.zeros(1)),), None))
-    s.apply(merge([PushRequest("a", 3, 3, (("w", 0, np.ones(1)),))], {}, now=0.0))  # buf = 1.5
+                      ((0, np.zeros(1)),))).result
+    _ = s.apply(merge([PushRequest("a", 1, 1, (("w", 0, np.ones(1)),))], {}, now=0.0)).result  # buf = 1
+    s.apply(Set(0.0, "a", 2, 2, "w", ((0, np.zeros(1)),), None)).result
+    s.apply(merge([PushRequest("a", 3, 3, (("w", 0, np.ones(1)),))], {}, now=0.0)).result  # buf = 1.5
     assert s.read_blocks("w", [0])[0][1].tolist() == [-1.5]
 
 
 def test_delete_then_push_and_recreate():
     s = _state()
     _apply_push(s, [_push("a", 1, w={0: np.ones((2, 2))})])
-    assert s.apply(DeleteKey("w")) == {"deleted": True} and s.apply(DeleteKey("w")) == {"deleted": False}
+    assert s.apply(DeleteKey("w")).result == {"deleted": True} and s.apply(DeleteKey("w")).result == {"deleted": False}
     assert s.describe("w") is None
     assert isinstance(_apply_push(s, [_push("a", 2, w={0: np.ones((2, 2))})])[("a", 2)], KeyNotFound)
-    s.apply(CreateKey("w", (5, 2), "float32", 2, ADD, "sum", ((0, np.zeros((2, 2), np.float32)),)))
+    s.apply(CreateKey("w", (5, 2), "float32", 2, ADD, "sum", ((0, np.zeros((2, 2), np.float32)),))).result
     assert s.read_blocks("w", [0])[0][0] == 0
 
 
@@ -292,24 +292,24 @@ def test_describe_and_keys():
 def test_apply_never_raises():
     s = _state()
     before = s.state_hash()
-    assert isinstance(s.apply("not a command"), InvalidRequest)
-    assert s.apply(Barrier(7, "r")) == {"barrier": 7}
+    assert isinstance(s.apply("not a command").result, InvalidRequest)
+    assert s.apply(Barrier(7, "r")).result == {"barrier": 7}
     # An optimizer blowing up mid-apply (here: a grad array that cannot broadcast, smuggled past
     # validation) must come back as a value and leave no trace.
     bad = Push(1.0, (PushId("a", 1, 1, ("w",)),), (DenseDelta("w", 0, np.ones((2, 2), np.float32), 1),), ())
     object.__setattr__(bad.dense[0], "grad", np.ones((3, 3), np.float32))
     s._keys["w"].check_block = lambda b, a: None  # disable validation to reach the optimizer
-    assert isinstance(s.apply(bad), InvalidRequest)
+    assert isinstance(s.apply(bad).result, InvalidRequest)
     assert s.state_hash() == before
 
 
 def test_zero_d_and_empty_keys():
     s = ShardState(0)
-    s.apply(CreateKey("s", (), "float32", 1, {"name": "sgd", "lr": 0.5}, "sum", ((0, np.float32(2.0)),)))
-    s.apply(CreateKey("z", (0, 3), "float32", 4, ADD, "sum", ((0, np.zeros((0, 3), np.float32)),)))
+    s.apply(CreateKey("s", (), "float32", 1, {"name": "sgd", "lr": 0.5}, "sum", ((0, np.float32(2.0)),))).result
+    s.apply(CreateKey("z", (0, 3), "float32", 4, ADD, "sum", ((0, np.zeros((0, 3), np.float32)),))).result
     req = PushRequest("a", 1, 1, (("s", 0, np.array(1.0, np.float32)), ("z", 0, np.zeros((0, 3), np.float32))))
     assert s.check_push(req) is None
-    assert s.apply(merge([req], {}, now=0.0))["results"][("a", 1)] == {"versions": {"s": 1, "z": 1}}
+    assert s.apply(merge([req], {}, now=0.0)).result["results"][("a", 1)] == {"versions": {"s": 1, "z": 1}}
     (version, value), = s.read_blocks("s", [0])
     assert value.shape == () and float(value) == 1.5
     assert ShardState.restore(s.snapshot()).snapshot() == s.snapshot()
@@ -317,14 +317,14 @@ def test_zero_d_and_empty_keys():
 
 def test_table_grows_and_keeps_rows():
     s = ShardState(0)
-    s.apply(CreateTable("e", 2, "float64", ADD, ZEROS, "sum"))
+    s.apply(CreateTable("e", 2, "float64", ADD, ZEROS, "sum")).result
     rng = np.random.default_rng(0)
     want = np.zeros((300, 2))
     for seq in range(1, 30):
         ids = np.unique(rng.integers(0, 300, 40))
         g = rng.integers(-5, 5, (len(ids), 2)).astype(np.float64)
         want[ids] += g
-        s.apply(merge([PushRequest("a", seq, seq, rows=(("e", ids, g),))], {}, now=0.0))
+        s.apply(merge([PushRequest("a", seq, seq, rows=(("e", ids, g),))], {}, now=0.0)).result
     values, _ = s.read_rows("e", np.arange(300, dtype=np.int64))
     assert values.tolist() == want.tolist()
 
@@ -332,7 +332,7 @@ def test_table_grows_and_keeps_rows():
 def test_snapshot_round_trip_and_junk():
     s = _state()
     _apply_push(s, [_push("a", 1, w={0: np.ones((2, 2))}, rows=([9, -4], np.ones((2, 3))))])
-    s.apply(Set(5.0, "b", 3, 1, "w", ((2, np.zeros((1, 2), np.float32)),), None))
+    s.apply(Set(5.0, "b", 3, 1, "w", ((2, np.zeros((1, 2), np.float32)),), None)).result
     data = s.snapshot()
     t = ShardState.restore(data)
     assert t.snapshot() == data and t.state_hash() == s.state_hash()
@@ -390,13 +390,13 @@ def test_same_log_gives_identical_snapshots_also_after_restore():
     a, b = ShardState(3), ShardState(3)
     half = len(log) // 2
     for data in log[:half]:
-        a.apply(decode_command(data))
-        b.apply(decode_command(data))
+        a.apply(decode_command(data)).result
+        b.apply(decode_command(data)).result
     assert a.snapshot() == b.snapshot()
     c = ShardState.restore(a.snapshot())
     for data in log[half:]:
-        ra, rc = a.apply(decode_command(data)), c.apply(decode_command(data))
-        b.apply(decode_command(data))
+        ra, rc = a.apply(decode_command(data)).result, c.apply(decode_command(data)).result
+        b.apply(decode_command(data)).result
         assert repr(ra) == repr(rc)
     assert a.snapshot() == b.snapshot() == c.snapshot()
     assert a.state_hash() == c.state_hash()
@@ -486,10 +486,10 @@ GOLDEN_SNAPSHOT_TIME = bytes.fromhex(
 def _golden_state() -> ShardState:
     s = ShardState(2)
     s.apply(CreateKey("w", (3,), "float32", 2, {"name": "sgd", "lr": 0.5, "momentum": 0.9}, "sum",
-                      ((1, np.float32([1.0])),)))
-    s.apply(CreateTable("e", 2, "float32", ADD, {"name": "normal", "seed": 5}, "sum"))
+                      ((1, np.float32([1.0])),))).result
+    s.apply(CreateTable("e", 2, "float32", ADD, {"name": "normal", "seed": 5}, "sum")).result
     s.apply(merge([PushRequest("c", 1, 1, (("w", 1, np.float32([2.0])),),
-                               (("e", np.int64([9, -1]), np.float32([[1, 1], [2, 2]])),))], {}, now=100.0))
+                               (("e", np.int64([9, -1]), np.float32([[1, 1], [2, 2]])),))], {}, now=100.0)).result
     return s
 
 

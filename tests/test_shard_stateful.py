@@ -92,7 +92,7 @@ class ShardMachine(RuleBasedStateMachine):
         rng = np.random.default_rng(seed)
         blocks = tuple((b, rng.integers(-8, 8, layout.block_shape(b)) / 4.0)
                        for b in sorted(owned) if b < layout.n_blocks)
-        got = self.s.apply(CreateKey(key, (rows, cols), "float64", block_rows, OPTS[sgd], "sum", blocks))
+        got = self.s.apply(CreateKey(key, (rows, cols), "float64", block_rows, OPTS[sgd], "sum", blocks)).result
         if key in self.tables or (key in self.dense and (self.dense[key]["layout"], self.dense[key]["sgd"])
                                   != (layout, sgd)):
             self._check(got, KeyExists)
@@ -106,7 +106,7 @@ class ShardMachine(RuleBasedStateMachine):
 
     @rule(key=st.sampled_from(KEYS), dim=st.integers(1, 3), sgd=st.booleans(), init=st.sampled_from(INITS))
     def create_table(self, key, dim, sgd, init):
-        got = self.s.apply(CreateTable(key, dim, "float64", OPTS[sgd], initializer_to_dict(init), "sum"))
+        got = self.s.apply(CreateTable(key, dim, "float64", OPTS[sgd], initializer_to_dict(init), "sum")).result
         if key in self.dense or (key in self.tables and (self.tables[key]["dim"], self.tables[key]["sgd"],
                                                          self.tables[key]["init"]) != (dim, sgd, init)):
             self._check(got, KeyExists)
@@ -119,7 +119,7 @@ class ShardMachine(RuleBasedStateMachine):
     @rule(key=st.sampled_from(KEYS))
     def delete(self, key):
         existed = self.dense.pop(key, None) is not None or self.tables.pop(key, None) is not None
-        self._check(self.s.apply(DeleteKey(key)), {"deleted": existed})
+        self._check(self.s.apply(DeleteKey(key)).result, {"deleted": existed})
 
     def _draw_request(self, data, client: str, rng) -> PushRequest | None:
         seq, floor = self._next_id(data, client)
@@ -150,7 +150,7 @@ class ShardMachine(RuleBasedStateMachine):
         if not reqs:
             return
         self.now += 1.0
-        got = self.s.apply(merge(reqs, {}, now=self.now))["results"]
+        got = self.s.apply(merge(reqs, {}, now=self.now)).result["results"]
         assert set(got) == {(r.client, r.seq) for r in reqs}
         for (pid, result), want in zip(got.items(), self._model_push(reqs)):
             self._check(result, want)
@@ -199,7 +199,7 @@ class ShardMachine(RuleBasedStateMachine):
         if entry and blocks and all(b in entry["blocks"] for b, _ in blocks) and data.draw(st.booleans()):
             expected = entry["blocks"][blocks[0][0]][1]  # often the right version
         self.now += 1.0
-        got = self.s.apply(Set(self.now, "setter", seq, floor, key, blocks, expected))
+        got = self.s.apply(Set(self.now, "setter", seq, floor, key, blocks, expected)).result
         self._check(got, self._model_set(key, seq, floor, blocks, expected))
 
     def _model_set(self, key, seq, floor, blocks, expected):
@@ -231,12 +231,12 @@ class ShardMachine(RuleBasedStateMachine):
     @rule()
     def user_snapshot(self):
         sid = f"s{len(self.snaps)}"
-        assert self.s.apply(SnapshotStep("cut", sid, at=self.now))["cut"]
+        assert self.s.apply(SnapshotStep("cut", sid, at=self.now)).result["cut"]
         blob = frame.encode(frame.KIND_SNAPSHOT, *self.s.snapshot_parts())  # what a replica writes
         digest = digest_of(blob[:frame.head_size(blob)])
-        assert self.s.apply(SnapshotStep("seal", sid, at=self.now))["snapshot"]["state"] == "sealed"
-        assert self.s.apply(SnapshotStep("commit", sid, digest=digest, size=len(blob)))["snapshot"]["state"] == "complete"
-        assert not self.s.apply(SnapshotStep("cut", sid, at=self.now))["cut"]  # a retried cut
+        assert self.s.apply(SnapshotStep("seal", sid, at=self.now)).result["snapshot"]["state"] == "sealed"
+        assert self.s.apply(SnapshotStep("commit", sid, digest=digest, size=len(blob))).result["snapshot"]["state"] == "complete"
+        assert not self.s.apply(SnapshotStep("cut", sid, at=self.now)).result["cut"]  # a retried cut
         self.snaps[sid] = (blob, digest, copy.deepcopy(self.dense), copy.deepcopy(self.tables))
 
     @precondition(lambda self: self.snaps)
@@ -245,9 +245,10 @@ class ShardMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(sorted(self.snaps)), label="snapshot")
         blob, digest, dense, tables = self.snaps[sid]
         assert isinstance(self.s.apply_restore(SnapshotStep("restore", sid, digest="0" * 64),
-                                               ShardState.restore(blob)), InvalidRequest)
+                                               ShardState.restore(blob)).result, InvalidRequest)
         floor = 1 + max([self._version(k) for k in [*self.dense, *self.tables]], default=0)
-        result = self.s.apply_restore(SnapshotStep("restore", sid, digest=digest), ShardState.restore(blob))
+        result = self.s.apply_restore(SnapshotStep("restore", sid, digest=digest),
+                                      ShardState.restore(blob)).result
         event("user snapshot restored")
         assert result["version_floor"] == floor and result["keys"] == len(dense) + len(tables)
         self.dense, self.tables = copy.deepcopy(dense), copy.deepcopy(tables)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvps.config import ClusterConfig
-from kvps.errors import InvalidRequest, NotDrainable, Unavailable, VersionConflict
+from kvps.errors import InvalidRequest, NotDrainable
 from kvps.meta import MetaState, meta_address
 from kvps.raft import bridge, recovery
 from kvps.raft.group import ShardGroup
@@ -57,9 +57,9 @@ class MetaService:
         try:
             command = json.loads(bytes(data))
         except ValueError as exc:
-            return {"error": f"undecodable meta command: {exc}"}
+            return InvalidRequest(f"undecodable meta command: {exc}")
         with self._lock:
-            return self._state.apply(command)
+            return self._state.apply(command).result  # the metadata state asks for no effects
 
     def _snapshot(self) -> bytes:
         with self._lock:
@@ -96,14 +96,8 @@ class MetaService:
     async def propose(self, command: dict[str, Any]) -> dict[str, Any]:
         """Replicate ``command``; its result, or ``VersionConflict`` / ``Unavailable``."""
         result = await bridge.propose(self.group, json.dumps(command, sort_keys=True).encode())
-        if isinstance(result, BaseException):
+        if isinstance(result, BaseException):  # VersionConflict, Unavailable (busy), InvalidRequest
             raise result
-        if "error" in result:
-            if result.get("conflict"):
-                raise VersionConflict(result["error"])
-            if result.get("busy"):
-                raise Unavailable(result["error"])
-            raise InvalidRequest(f"meta command {command.get('op')} refused: {result['error']}")
         return result
 
     def stop(self) -> None:

@@ -27,7 +27,8 @@ from kvps.assignment import Assignment
 from kvps.config import ClusterConfig, NodeConfig
 from kvps.errors import InvalidRequest, KvpsError, Unauthorized
 from kvps.node.meta_service import NodeMembership
-from kvps.replica.metrics import CONTENT_TYPE, NodeMetrics, merge_expositions
+from kvps.node.metrics import NodeMetrics, merge_expositions
+from kvps.replica.metrics import CONTENT_TYPE
 from kvps.node.openapi import document
 from kvps.node.process import python_module_args, spawn, stop_process
 from kvps.raft import recovery

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from kvps.config import ServerConfig
@@ -25,24 +25,24 @@ __all__ = ["PushBatcher"]
 log = logging.getLogger("kvps.batcher")
 
 PushKey = tuple[str, int]
+_SUM: Mapping[str, str] = {}  # no modes given: every key sums
 
 
 class PushBatcher:
     def __init__(
         self,
         propose: Callable[[bytes], Awaitable[Any]],
-        merge_mode: Callable[[str], str],
         cfg: ServerConfig,
         *,
         clock: Callable[[], float],  # the cluster time (kvps.clocks.ClusterTime.now)
         on_batch: Callable[[int, int], None] | None = None,
     ) -> None:
         self._propose = propose
-        self._merge_mode = merge_mode
         self._cfg = cfg
         self._clock = clock
         self._on_batch = on_batch  # (pushes merged, bytes) -> None, for metrics
         self._pending: list[tuple[PushRequest, int]] = []
+        self._modes: dict[PushKey, Mapping[str, str]] = {}  # merge mode of each pending id's keys
         self._pending_bytes = 0
         self._futures: dict[PushKey, asyncio.Future] = {}
         self._digests: dict[PushKey, int] = {}  # content checksum of each pending / in-flight id
@@ -57,8 +57,9 @@ class PushBatcher:
     def accepted_bytes(self) -> int:
         return self._accepted_bytes
 
-    async def submit(self, req: PushRequest) -> Any:
-        """Queue ``req`` and wait for its result (a dict, or raises a KvpsError)."""
+    async def submit(self, req: PushRequest, modes: Mapping[str, str] = _SUM) -> Any:
+        """Queue ``req`` and wait for its result (a dict, or raises a KvpsError). ``modes``: the
+        merge mode of each key it names, as the leader's pre-check found them (default: sum)."""
         key = (req.client, req.seq)
         fut = self._futures.get(key)
         if fut is not None and req.digest and self._digests.get(key, req.digest) != req.digest:
@@ -70,6 +71,7 @@ class PushBatcher:
             await self._reserve(size)
             fut = asyncio.get_running_loop().create_future()
             self._futures[key] = fut
+            self._modes[key] = modes
             self._pending.append((req, size))
             self._pending_bytes += size
             self._kick()
@@ -150,7 +152,7 @@ class PushBatcher:
 
     async def _propose_merged(self, reqs: list[PushRequest]) -> Callable[[PushRequest], Any]:
         try:
-            modes = {key: self._merge_mode(key) for req in reqs for key in _keys(req)}
+            modes = {k: m for req in reqs for k, m in self._modes.get((req.client, req.seq), {}).items()}
             cmd = merge(reqs, modes, now=self._clock())
             parts = cmd.to_parts()  # joined once, behind the Raft entry's prefix
             if self._on_batch is not None:
@@ -171,6 +173,7 @@ class PushBatcher:
 
     def _settle(self, req: PushRequest, value: Any) -> None:
         self._digests.pop((req.client, req.seq), None)
+        self._modes.pop((req.client, req.seq), None)
         fut = self._futures.pop((req.client, req.seq), None)
         if fut is None or fut.done():
             return
@@ -202,7 +205,3 @@ def _merged_growth(req: PushRequest, seen: set) -> int:
     grows += sum(64 + grad.nbytes for key, block, grad in req.dense if (key, block) not in seen)
     grows += sum(64 + ids.nbytes * 2 + grads.nbytes for _, ids, grads in req.rows)  # ids + counts
     return grows
-
-
-def _keys(req: PushRequest) -> set[str]:
-    return {key for key, _, _ in req.dense} | {key for key, _, _ in req.rows}

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from kvps.service.auth import TokenStore
 from kvps.command import SNAPSHOT_ID, ClockTick, CreateKey, CreateTable, DeleteKey, Set, SetRows, SnapshotStep
-from kvps.delta import frame
+from kvps.delta import frame, lossy
 from kvps.errors import InvalidRequest, KeyNotFound, KvpsError, RequestTooLarge, Timeout
 from kvps.delta.xor import xor_delta
 from kvps.replica.membership import membership_rpc
@@ -73,7 +73,7 @@ def make_app(replica: Replica, tokens: TokenStore) -> web.Application:
             parts = frame.encode_parts(frame.KIND_RESPONSE, meta, arrays,
                                        codec=codecs[0] if codecs else codec)
         except KvpsError as exc:
-            replica.count_rejected(type(exc).__name__)
+            replica.stats.rejected(type(exc).__name__)
             if exc.http_status < 500 and exc.http_status != 421:
                 log.info("shard %d %s [%s] rejected: %s: %s", replica.shard, op, rid,
                          type(exc).__name__, exc.message)
@@ -85,7 +85,7 @@ def make_app(replica: Replica, tokens: TokenStore) -> web.Application:
         try:
             tokens.check(request.headers.get("Authorization"))
         except KvpsError as exc:
-            replica.count_rejected(type(exc).__name__)
+            replica.stats.rejected(type(exc).__name__)
             return error_response(exc, rid)
         return web.json_response(replica.status(), headers={"X-Request-Id": rid})
 
@@ -100,7 +100,7 @@ def make_app(replica: Replica, tokens: TokenStore) -> web.Application:
             snap_id = request.match_info["snap_id"]
             if not SNAPSHOT_ID.match(snap_id):
                 raise InvalidRequest(f"bad snapshot id {snap_id!r}")
-            path = replica.snapshot_file_path(snap_id)
+            path = replica.snapshots.file_path(snap_id)
             if not path.is_file():
                 raise KeyNotFound(f"no file of snapshot {request.match_info['snap_id']!r} here")
         except KvpsError as exc:
@@ -114,7 +114,6 @@ def make_app(replica: Replica, tokens: TokenStore) -> web.Application:
     app.router.add_post("/v1/rpc/{op}", rpc)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/snapshots/{snap_id}/file", snapshot_file)
-    replica.peer_token = lambda: (tokens.tokens() or (b"",))[0].decode()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     return app
@@ -216,9 +215,9 @@ def _client_ids(meta: dict) -> tuple[str, int, int]:
 
 async def _push(replica: Replica, req: frame.Frame):
     client, seq, floor = _client_ids(req.meta)
-    dense = tuple((_key(it), _field(it, "block", int), _dense_grad(replica, req, it))
+    dense = tuple((_key(it), _field(it, "block", int), _dense_grad(replica.describe, req, it))
                   for it in _items(req.meta, "dense"))
-    rows = tuple((_key(it), _array(req, it.get("ids")), _row_grads(replica, req, it))
+    rows = tuple((_key(it), _array(req, it.get("ids")), _row_grads(replica.describe, req, it))
                  for it in _items(req.meta, "rows"))
     if not dense and not rows:
         raise InvalidRequest("empty push")
@@ -227,43 +226,34 @@ async def _push(replica: Replica, req: frame.Frame):
     return {"versions": result["versions"]}, ()
 
 
-def _widen(replica: Replica, key: str, arr: np.ndarray, encoding: str) -> np.ndarray:
-    """A gradient sent in a lossy push codec, widened back to the key's dtype."""
-    dtype = np.dtype(replica.describe(key)["dtype"])
-    if encoding == "fp16" and arr.dtype == np.float16:
-        return arr.astype(dtype)
-    if encoding == "bf16" and arr.dtype == np.uint16:  # bfloat16 = the top half of a float32
-        return (arr.astype(np.uint32) << 16).view(np.float32).astype(dtype)
-    raise InvalidRequest(f"{encoding!r} gradient for {key!r} must be sent as its carrier dtype", key=key)
+Describe = Callable[[str], dict]  # a key's description (its dtype, blocks, layout)
 
 
-def _dense_grad(replica: Replica, req: frame.Frame, it: dict) -> np.ndarray:
+def _dense_grad(describe: Describe, req: frame.Frame, it: dict) -> np.ndarray:
+    """A dense gradient part, decoded to the key's dtype if a lossy codec sent it."""
     encoding = _field(it, "encoding", str, "raw")
     if encoding == "raw":
         return _array(req, it.get("array"))
     key, block = _key(it), _field(it, "block", int)
     if encoding in ("fp16", "bf16"):
-        return _widen(replica, key, _array(req, it.get("array")), encoding)
-    if encoding == "topk":  # the k largest entries: flat indices + values, the rest is zero
-        info = replica.describe(key)
+        return lossy.widen(_array(req, it.get("array")), encoding,
+                           np.dtype(describe(key)["dtype"]), repr(key))
+    if encoding == "topk":
+        info = describe(key)
         if info.get("kind") != "dense" or block not in info.get("blocks", []):
             raise InvalidRequest(f"block {block} of {key!r} is not on this shard", key=key)
         layout = DenseLayout(tuple(info["shape"]), info["dtype"], info["block_rows"])
-        idx, values = _array(req, it.get("idx")), _array(req, it.get("array"))
-        dense = np.zeros(layout.block_shape(block), dtype=np.dtype(info["dtype"]))
-        if idx.dtype != np.int64 or idx.ndim != 1 or values.shape != idx.shape or values.dtype != dense.dtype:
-            raise InvalidRequest("top-k push needs int64 indices and values of the key's dtype", key=key)
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= dense.size):
-            raise InvalidRequest("top-k index out of range", key=key)
-        dense.reshape(-1)[idx] = values
-        return dense
+        return lossy.topk_expand(_array(req, it.get("idx")), _array(req, it.get("array")),
+                                 layout.block_shape(block), np.dtype(info["dtype"]), repr(key))
     raise InvalidRequest(f"unknown gradient encoding {encoding!r}", field="encoding")
 
 
-def _row_grads(replica: Replica, req: frame.Frame, it: dict) -> np.ndarray:
+def _row_grads(describe: Describe, req: frame.Frame, it: dict) -> np.ndarray:
     encoding = _field(it, "encoding", str, "raw")
     grads = _array(req, it.get("grads"))
-    return grads if encoding == "raw" else _widen(replica, _key(it), grads, encoding)
+    if encoding == "raw":
+        return grads
+    return lossy.widen(grads, encoding, np.dtype(describe(_key(it))["dtype"]), repr(_key(it)))
 
 
 async def _pull(replica: Replica, req: frame.Frame):
@@ -286,10 +276,11 @@ async def _pull(replica: Replica, req: frame.Frame):
     await replica.before_read(consistency, wanted)
     out_meta, arrays, codecs = [], [], []
     for key, blocks, have in items:
-        for block, held, (version, value) in zip(blocks, have, replica.read_blocks(key, blocks)):
+        current = replica.host.lookup(lambda s: s.read_blocks(key, blocks))
+        for block, held, (version, value) in zip(blocks, have, current):
             entry = {"key": key, "block": block, "version": version, "array": None}
             if held != version:
-                base = replica.delta_base(key, block, held) if deltas and isinstance(held, int) else None
+                base = replica.host.remembered(key, block, held) if deltas and isinstance(held, int) else None
                 entry["array"] = len(arrays)
                 if base is not None and base.shape == value.shape:
                     # exact: the client XORs it onto the version it holds
@@ -300,7 +291,7 @@ async def _pull(replica: Replica, req: frame.Frame):
                     arrays.append(value)
                     codecs.append(full_codec)
             out_meta.append(entry)
-    replica.count_pull(sum(a.nbytes for a in arrays))
+    replica.stats.count_pull(sum(a.nbytes for a in arrays))
     return {"blocks": out_meta}, arrays, codecs
 
 
@@ -311,16 +302,15 @@ async def _pull_rows(replica: Replica, req: frame.Frame):
     ids = _array(req, req.meta.get("ids"))
     await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
     if "have" not in req.meta:
-        values, versions = replica.read_rows(key, ids)
-        replica.count_pull(values.nbytes)
+        values, versions = replica.host.lookup(lambda s: s.read_rows(key, ids))
+        replica.stats.count_pull(values.nbytes)
         return {"rows": 0, "versions": 1}, (values, versions)
     have = _array(req, req.meta.get("have"))
     if have.shape != ids.shape or have.dtype != np.int64:
         raise InvalidRequest("'have' must be int64 versions, one per id", key=key)
-    current = replica.row_versions(key, ids)
+    current, values = replica.host.lookup(lambda s: _changed_rows(s, key, ids, have))
     changed = np.flatnonzero(current != have)  # (m,) positions in ids
-    values, _ = replica.read_rows(key, ids[changed])
-    replica.count_pull(values.nbytes)
+    replica.stats.count_pull(values.nbytes)
     return ({"changed": 0, "versions": 1, "rows": 2}, (changed.astype(np.int64), current[changed], values),
             ["shuffle-lz4", "shuffle-lz4", "none"])
 
@@ -329,8 +319,8 @@ async def _stored_rows(replica: Replica, req: frame.Frame):
     """Every written row of a table on this shard (for export)."""
     key = _key(req.meta)
     await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
-    ids, values = replica.stored_rows(key)
-    replica.count_pull(values.nbytes)
+    ids, values = replica.host.lookup(lambda s: s.stored_rows(key))
+    replica.stats.count_pull(values.nbytes)
     return {"ids": 0, "rows": 1}, (ids, values)
 
 
@@ -389,11 +379,12 @@ async def _describe(replica: Replica, req: frame.Frame):
 
 async def _keys(replica: Replica, req: frame.Frame):
     await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
-    return {"keys": replica.keys()}, ()
+    return {"keys": replica.host.lookup(lambda s: s.keys())}, ()
 
 
 async def _state_hash(replica: Replica, req: frame.Frame):
-    return {"hash": replica.state_hash(), "applied_index": replica.group.status()["applied_index"]}, ()
+    return {"hash": replica.host.lookup(lambda s: s.state_hash()),
+            "applied_index": replica.group.status()["applied_index"]}, ()
 
 
 async def _snapshot_step(replica: Replica, req: frame.Frame):
@@ -406,13 +397,15 @@ async def _snapshot_step(replica: Replica, req: frame.Frame):
 
 async def _snapshot_status(replica: Replica, req: frame.Frame):
     """This replica's own view (no leader needed): the catalog entry and its file."""
-    return {**replica.snapshot_status(_field(req.meta, "snap_id", str)),
-            "replica": replica.address, "node": replica.node_id}, ()
+    snap_id = _field(req.meta, "snap_id", str)
+    entry = replica.host.lookup(lambda s: s.snapshot_entry(snap_id))
+    return {**replica.snapshots.status(snap_id, entry), "replica": replica.address,
+            "node": replica.node_id}, ()
 
 
 async def _snapshot_catalog(replica: Replica, req: frame.Frame):
     await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
-    return {"snapshots": replica.snapshot_catalog()}, ()
+    return {"snapshots": replica.host.lookup(lambda s: s.snapshot_catalog())}, ()
 
 
 async def _snapshot_prepare(replica: Replica, req: frame.Frame):
@@ -420,8 +413,16 @@ async def _snapshot_prepare(replica: Replica, req: frame.Frame):
     sources = _field(m, "sources", list, [])
     if not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in sources):
         raise InvalidRequest("sources must be data URLs", field="sources")
-    return await replica.snapshot_prepare(_field(m, "snap_id", str), _field(m, "digest", str),
-                                          sources, replica.peer_token()), ()
+    return await replica.snapshots.prepare(_field(m, "snap_id", str), _field(m, "digest", str),
+                                           sources), ()
+
+
+def _changed_rows(state, key: str, ids: np.ndarray, have: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the current version of every row in ``ids``, the values of those whose version differs
+    from ``have``), read in one lookup."""
+    current = state.row_versions(key, ids)
+    values, _ = state.read_rows(key, ids[current != have])
+    return current, values
 
 
 HANDLERS: dict[str, Handler] = {

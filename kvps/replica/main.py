@@ -31,11 +31,10 @@ async def run_replica(config: Path, node_id: int, shard: int, peers: list[str] |
     node = cfg.node(node_id)
     secret = (base / cfg.secret_file).read_bytes().strip()
     tokens = TokenStore(base / cfg.token_file)
-    replica = Replica(cfg, node_id, shard, secret=secret, data_dir=base / node.data_dir,
-                      peers=peers, joining=joining)
-    replica.client_ssl = client_context(cfg, base)
     stop = stop_event()
-    await replica.start()
+    replica = await Replica.open(cfg, node_id, shard, secret=secret, data_dir=base / node.data_dir,
+                                 token=lambda: (tokens.tokens() or (b"",))[0].decode(),
+                                 client_ssl=client_context(cfg, base), peers=peers, joining=joining)
     runner = web.AppRunner(make_app(replica, tokens), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, node.host, node.data_port(shard), reuse_address=True,

@@ -62,7 +62,7 @@ async def _hand_off(replica: "Replica", address: str) -> None:
     the in-flight ones commit, the target catches up, TimeoutNow goes out. If the transfer is
     still refused when the short wait ends, writes resume and the caller retries."""
     raft = replica.cfg.raft
-    replica.hold_writes(2 * raft.election_timeout_max)
+    replica.leadership.hold_writes(2 * raft.election_timeout_max)
     deadline = time.monotonic() + raft.election_timeout_min
     while True:
         try:
@@ -70,6 +70,6 @@ async def _hand_off(replica: "Replica", address: str) -> None:
             return  # the hold lapses by itself; by then this replica is a follower
         except Unavailable:  # REQUEST_DENIED: the target lacks entries still in flight
             if time.monotonic() > deadline:
-                replica.hold_writes(0)
+                replica.leadership.hold_writes(0)
                 raise
             await asyncio.sleep(0.005)

@@ -1,0 +1,130 @@
+"""Dense keys: a tensor split into blocks along dim 0, each an immutable array with its version.
+
+Blocks are immutable arrays inside immutable ``Block`` records, replaced on update: a reader (a
+pull, a snapshot writer, the delta history) may keep a reference without a lock, and a snapshot of
+the state is a shallow copy.
+"""
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvps.command import CreateKey
+from kvps.errors import InvalidRequest, KvpsError, ShapeMismatch
+from kvps.optimizer import optimizer_from_dict
+from kvps.placement import DenseLayout
+
+__all__ = ["Block", "DenseKey", "frozen"]
+
+
+def frozen(arr: np.ndarray) -> np.ndarray:
+    arr.flags.writeable = False
+    return arr
+
+
+def _keep(arr: np.ndarray) -> np.ndarray:
+    """A block array from a decoded snapshot: a read-only view of immutable bytes (or of a
+    read-only mapped snapshot file) is kept as it is (no copy of a 1 GB restore); anything
+    writeable is copied, since blocks never change."""
+    if not arr.flags.writeable and isinstance(_base_of(arr), (bytes, mmap.mmap)):
+        return arr  # bytes are immutable; snapshot files are mapped read-only and never rewritten
+    return frozen(arr.copy())
+
+
+def _base_of(arr: np.ndarray):
+    base = arr
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    if isinstance(base, memoryview):
+        return base.obj
+    return base
+
+
+def _spec(arr: np.ndarray) -> dict:
+    return {"shape": list(arr.shape), "dtype": arr.dtype.name}
+
+
+@dataclass(frozen=True, eq=False)
+class Block:
+    value: np.ndarray  # read-only, the block's shape and the key's dtype
+    version: int  # updates applied (a merged push of k counts k, a set counts 1)
+    step: int  # optimizer steps applied (one per applied entry)
+    state: dict[str, np.ndarray]  # optimizer state, read-only arrays shaped like value
+
+
+class DenseKey:
+    kind = "dense"
+
+    def __init__(self, key: str, layout: DenseLayout, optimizer: dict, merge: str) -> None:
+        self.key = key
+        self.layout = layout
+        self.optimizer_dict = optimizer
+        self.optimizer = optimizer_from_dict(optimizer)
+        self.merge = merge
+        self.blocks: dict[int, Block] = {}
+
+    def definition(self) -> dict:
+        lay = self.layout
+        return {"kind": self.kind, "shape": list(lay.shape), "dtype": lay.dtype,
+                "block_rows": lay.block_rows, "optimizer": self.optimizer_dict, "merge": self.merge}
+
+    def version(self) -> int:
+        return max((b.version for b in self.blocks.values()), default=0)
+
+    def new_block(self, value: np.ndarray) -> Block:
+        value = frozen(np.array(value, dtype=self.layout.dtype, copy=True))
+        state = {k: frozen(v) for k, v in self.optimizer.init_state(value).items()}
+        return Block(value, 0, 0, state)
+
+    def check_block(self, block: Any, arr: Any) -> KvpsError | None:
+        """Is ``arr`` a valid gradient / value for ``block`` of this key on this shard?"""
+        if not isinstance(arr, np.ndarray):
+            return InvalidRequest(f"block {block!r} of {self.key!r}: not an array", key=self.key)
+        is_int = isinstance(block, (int, np.integer)) and not isinstance(block, bool)
+        current = self.blocks.get(int(block)) if is_int else None
+        if current is None:
+            return InvalidRequest(f"block {block!r} of {self.key!r} is not on this shard",
+                                  key=self.key, block=block if isinstance(block, int) else None)
+        if arr.shape != current.value.shape or arr.dtype != current.value.dtype:
+            return ShapeMismatch(f"block {block} of {self.key!r} is {current.value.dtype}"
+                                 f"{list(current.value.shape)}, got {arr.dtype}{list(arr.shape)}",
+                                 key=self.key, block=block, expected=_spec(current.value),
+                                 actual=_spec(arr))
+        return None
+
+    def step_block(self, block: int, grad: np.ndarray, count: int) -> Block:
+        old = self.blocks[block]
+        value, state = self.optimizer.step(old.value, grad, old.state, old.step + 1)
+        value = frozen(np.asarray(value, dtype=self.layout.dtype))
+        state = {k: frozen(np.asarray(v, dtype=self.layout.dtype)) for k, v in state.items()}
+        return Block(value, old.version + count, old.step + 1, state)
+
+    def snapshot_parts(self) -> tuple[dict, list[np.ndarray]]:
+        names = self.optimizer.state_names()
+        blocks = [(b, self.blocks[b]) for b in sorted(self.blocks)]
+        arrays = [a for _, blk in blocks for a in (blk.value, *(blk.state[n] for n in names))]
+        meta = {"key": self.key, **self.definition(),
+                "blocks": [[b, blk.version, blk.step] for b, blk in blocks]}
+        return meta, arrays
+
+    @classmethod
+    def from_snapshot(cls, meta: dict, arrays: list[np.ndarray]) -> tuple["DenseKey", int]:
+        """The key ``snapshot_parts`` described, and how many arrays it used (ValueError if bad)."""
+        cmd = CreateKey(meta["key"], tuple(meta["shape"]), meta["dtype"], meta["block_rows"],
+                        meta["optimizer"], meta["merge"], ())  # validates the definition
+        entry = cls(cmd.key, cmd.layout, cmd.optimizer, cmd.merge)
+        names = entry.optimizer.state_names()
+        at = 0
+        for b, version, step in meta["blocks"]:
+            value, *state = arrays[at:at + 1 + len(names)]
+            at += 1 + len(names)
+            shape = cmd.layout.block_shape(b)
+            if len(state) != len(names) or any(a.shape != shape or a.dtype.name != cmd.dtype
+                                               for a in (value, *state)):
+                raise ValueError(f"block {b} of {cmd.key!r} has the wrong shape")
+            entry.blocks[int(b)] = Block(_keep(value), int(version), int(step),
+                                         {n: _keep(a) for n, a in zip(names, state)})
+        return entry, at
