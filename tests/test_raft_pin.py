@@ -29,7 +29,8 @@ from kvps.raft import group as group_module
 from kvps.raft import journal as journal_module
 from kvps.raft.group import COMMAND_TOO_LARGE, GROUP_STOPPED, ShardGroup, syncobj_options
 from kvps.raft.journal import RaftJournal
-from kvps.raft.transport import TransportStats, _PeerConnection, _Settings
+from kvps.raft.connection import PeerConnection
+from kvps.raft.peer_settings import PeerSettings, TransportStats
 
 
 def src(obj) -> str:
@@ -85,8 +86,8 @@ def test_our_connection_has_everything_tcp_transport_touches():
     used = set(re.findall(r"\bconn\.(\w+)", source))
     used |= set(re.findall(r"self\._connections\[node\]\.(\w+)", source))
     assert used, "pattern no longer matches: re-check how TCPTransport uses connections"
-    settings = _Settings(b"s" * 32, b"ctx", 1 << 20, 0, TransportStats())
-    conn = _PeerConnection(settings, createPoller("auto"), 1.0, None)
+    settings = PeerSettings(b"s" * 32, b"ctx", 1 << 20, 0, TransportStats())
+    conn = PeerConnection(settings, createPoller("auto"), 1.0, None)
     missing = sorted(name for name in used if not hasattr(conn, name))
     assert not missing, f"TCPTransport now uses connection attributes we lack: {missing}"
     assert set(vars(CONNECTION_STATE)) >= {"DISCONNECTED", "CONNECTING", "CONNECTED"}
