@@ -26,6 +26,8 @@ from pysyncobj.version import VERSION
 
 from kvps.config import RaftConfig
 from kvps.raft import group as group_module
+from kvps.raft import internals
+from kvps.raft.compaction import is_last_install_chunk
 from kvps.raft import journal as journal_module
 from kvps.raft.group import COMMAND_TOO_LARGE, GROUP_STOPPED, ShardGroup, syncobj_options
 from kvps.raft.journal import RaftJournal
@@ -152,7 +154,7 @@ def test_syncobj_methods_and_properties_we_use():
     assert "transportClass(self, self.__selfNode, self.__otherNodes)" in init
     assert "self._methodToID[method] = currMethodID" in init
     assert (_RAFT_STATE.FOLLOWER, _RAFT_STATE.CANDIDATE, _RAFT_STATE.LEADER) == (0, 1, 2)
-    assert group_module._ROLES == {0: "follower", 1: "candidate", 2: "leader"}
+    assert internals.ROLES == {0: "follower", 1: "candidate", 2: "leader"}
 
 
 def test_command_format_and_apply_order():
@@ -298,9 +300,9 @@ def test_what_the_install_rename_guard_relies_on():
     setdata = src(Serializer.setTransmissionData)
     assert "data, isFirst, isLast = data" in setdata
     assert "atomicReplace(tmpFile, self.__fileName)" in setdata
-    assert group_module._last_install_chunk({"type": "append_entries", "serialized": (b"", False, True)})
-    assert not group_module._last_install_chunk({"type": "append_entries", "serialized": (b"", True, False)})
-    assert not group_module._last_install_chunk({"type": "append_entries", "entries": []})
+    assert is_last_install_chunk({"type": "append_entries", "serialized": (b"", False, True)})
+    assert not is_last_install_chunk({"type": "append_entries", "serialized": (b"", True, False)})
+    assert not is_last_install_chunk({"type": "append_entries", "entries": []})
 
 
 def test_tick_thread_lifetime_we_document():

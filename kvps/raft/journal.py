@@ -110,6 +110,7 @@ from pysyncobj.journal import Journal
 from kvps.config import FSYNC_POLICIES
 from kvps.errors import CodecError
 from kvps.raft.meta_file import META_MAGIC, MetaFile
+from kvps.raft.threads import name_native_thread
 
 __all__ = ["MAGIC", "META_MAGIC", "VERSION", "RaftJournal", "using_journal"]
 
@@ -133,16 +134,6 @@ _fdatasync = os.fdatasync
 _fsync = os.fsync
 
 Entry = tuple[Any, int, int]  # (command bytes, index, term), pysyncobj's log entry shape
-
-
-def name_native_thread(name: str) -> None:
-    """Give the calling thread a kernel-visible name (Linux ``comm``, 15 bytes): ``top -H``,
-    ``ps -L``, py-spy and ``/proc/<pid>/task/*/stack`` then tell the Raft threads apart."""
-    try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
-            f.write(name[:15])
-    except OSError:  # not Linux, or /proc not mounted: names are only for diagnosis
-        pass
 
 
 def _record_sum(version: int, checked: bytes, command: Any) -> int:
