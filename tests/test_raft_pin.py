@@ -28,7 +28,6 @@ from kvps.config import RaftConfig
 from kvps.raft import group as group_module
 from kvps.raft import internals
 from kvps.raft.compaction import is_last_install_chunk
-from kvps.raft import journal as journal_module
 from kvps.raft.group import COMMAND_TOO_LARGE, GROUP_STOPPED, ShardGroup, syncobj_options
 from kvps.raft.journal import RaftJournal
 from kvps.raft.connection import PeerConnection
@@ -314,13 +313,14 @@ def test_tick_thread_lifetime_we_document():
 # ---- journal.py: how SyncObj builds and uses its journal ------------------------------------------
 
 def test_syncobj_creates_its_journal_through_the_module_global():
-    """kvps.raft.journal replaces pysyncobj.syncobj.createJournal; that only works while
-    SyncObj.__init__ looks the name up as a module global and passes it conf.journalFile."""
+    """kvps.raft.internals.journal_factory replaces pysyncobj.syncobj.createJournal; that only
+    works while SyncObj.__init__ looks the name up as a module global and passes it
+    conf.journalFile."""
     assert "createJournal" in SyncObj.__init__.__code__.co_names
     assert "self.__raftLog = createJournal(self.__conf.journalFile)" in src(SyncObj.__init__)
-    assert pysyncobj.syncobj.createJournal in (journal_module._original_create_journal,
-                                                journal_module._create_journal)
-    assert journal_module._original_create_journal is pysyncobj.journal.createJournal
+    assert pysyncobj.syncobj.createJournal in (internals._stock_create_journal,
+                                                internals._create_journal)
+    assert internals._stock_create_journal is pysyncobj.journal.createJournal
     assert params(pysyncobj.journal.createJournal) == ["journalFile"]
 
 

@@ -46,7 +46,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvps.raft.journal import _fsync_dir  # one helper for every durable rename/create here
+from kvps.raft.disk import fsync_dir  # one helper for every durable rename/create here
 
 __all__ = ["MARKER", "Recovery", "forget_hosted", "mark", "prepare_start"]
 
@@ -67,8 +67,8 @@ def mark(journal_dir: Path, reason: str = LOST) -> None:
         f.write(f"{' '.join(reason.split())}\nit votes again once it has caught up\n".encode())
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(journal_dir)
-    _fsync_dir(journal_dir.parent)
+    fsync_dir(journal_dir)
+    fsync_dir(journal_dir.parent)
 
 
 def prepare_start(node_dir: Path, name: str) -> bool:
@@ -87,8 +87,8 @@ def prepare_start(node_dir: Path, name: str) -> bool:
     hosted.parent.mkdir(parents=True, exist_ok=True)
     with open(hosted, "wb") as f:
         os.fsync(f.fileno())
-    _fsync_dir(hosted.parent)
-    _fsync_dir(node_dir)
+    fsync_dir(hosted.parent)
+    fsync_dir(node_dir)
     return False
 
 
@@ -145,7 +145,7 @@ class Recovery:
             return False
         try:
             self._path.unlink()
-            _fsync_dir(self._path.parent)
+            fsync_dir(self._path.parent)
         except FileNotFoundError:
             pass
         except OSError as exc:  # it votes now; after a restart it recovers again (safe, slower)
