@@ -5,13 +5,18 @@ The group and what it is built from:
 * ``group`` -- ``ShardGroup``, the one ``SyncObj`` subclass, with one ``@replicated`` method.
 * ``internals`` -- every pysyncobj private name kvps touches, one accessor each, each pinned.
 * ``bridge`` -- pysyncobj callbacks to asyncio futures, ``FAIL_REASON`` to kvps errors.
+* ``threads`` -- kernel-visible names and background priority for the threads of this layer.
 
-Log compaction snapshots and durability:
+Log compaction and durability:
 
+* ``compaction`` -- log compaction through pysyncobj's serializer hooks, on a writer thread.
 * ``snapshot_file`` -- our log-compaction snapshot format.
 * ``journal`` -- our Raft journal (checksummed, crash-safe, explicit fsync policy), installed in
   place of pysyncobj's ``FileJournal``.
+* ``journal_file`` -- the journal file's layout, and reading it back at open (torn tail, damage).
+* ``journal_rewrite`` -- the journal's compaction rewrite, on its own thread.
 * ``meta_file`` -- term, vote and commit index, in two slots overwritten in place.
+* ``disk`` -- positional writes, in-kernel copies and fsyncs (journal, meta file, recovery marker).
 
 Peer traffic:
 
@@ -20,9 +25,11 @@ Peer traffic:
   handshake MAC); pure.
 * ``handshake`` -- the mutual HMAC challenge-response as a state machine; pure.
 * ``connection`` -- one authenticated, size-capped peer connection on pysyncobj's poller.
+* ``peer_settings`` -- the secret, limits, counters and socket options every connection shares.
 * ``listener`` -- the Raft port's listening socket.
 * ``probe`` -- whether a member that closed its connection still listens (its process is gone).
-* ``replication`` -- the leader's nextIndex restore and back-pressure, the follower's rebase.
+* ``replication`` -- the leader's nextIndex restore and back-pressure, the follower's rebase;
+  pure.
 
 Membership and faults:
 
@@ -32,7 +39,7 @@ Membership and faults:
 
 ``tests/test_raft_pin.py`` fails first when a pysyncobj upgrade moves an internal we rely on.
 The names below are loaded on first use, so that importing a pure module of this package (``wire``,
-``handshake``) imports neither pysyncobj nor a socket.
+``handshake``, ``replication``) imports neither pysyncobj nor a socket.
 """
 from __future__ import annotations
 

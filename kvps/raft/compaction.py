@@ -97,7 +97,8 @@ class Compaction:
 
     def due(self) -> bool:
         """Whether enough bytes were applied to force a compaction (then counts from zero)."""
-        if self._applied_bytes >= max(self._raft.compact_bytes, self._raft.compact_ratio * self._state_bytes):
+        raft = self._raft
+        if self._applied_bytes >= max(raft.compact_bytes, raft.compact_ratio * self._state_bytes):
             self._applied_bytes = 0
             return True
         return False

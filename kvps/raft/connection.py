@@ -372,7 +372,8 @@ class PeerConnection:
             if avail < header:
                 break
             (length,) = FRAME_HEADER.unpack_from(buf, self._start)
-            cap = self._settings.max_frame_bytes if self._handshake.authenticated else HANDSHAKE_FRAME_CAP
+            authenticated = self._handshake.authenticated
+            cap = self._settings.max_frame_bytes if authenticated else HANDSHAKE_FRAME_CAP
             if length > cap:
                 self._reject(f"frame of {length} bytes exceeds the {cap}-byte cap")
                 return

@@ -66,7 +66,8 @@ from kvps.raft.threads import background_priority, name_native_thread
 from kvps.raft.transport import make_transport_class
 
 # background_priority lives in kvps.raft.threads; kvps.replica imports it from here.
-__all__ = ["COMMAND_TOO_LARGE", "GROUP_STOPPED", "ShardGroup", "background_priority", "syncobj_options"]
+__all__ = ["COMMAND_TOO_LARGE", "GROUP_STOPPED", "ShardGroup", "background_priority",
+           "syncobj_options"]
 
 logger = logging.getLogger("kvps.raft")
 
@@ -249,7 +250,8 @@ class ShardGroup(SyncObj):
             callback(None, GROUP_STOPPED)
             return
         command = b"".join((_ENTRY_PREFIX, *parts))  # queued as is: the type byte is in the prefix
-        internals.apply_command(self, command, lambda result, reason: self._settle(token, result, reason))
+        internals.apply_command(self, command,
+                                lambda result, reason: self._settle(token, result, reason))
 
     def abandon_pending(self) -> int:
         """Answer every proposal still waiting with LEADER_CHANGED (outcome unknown).

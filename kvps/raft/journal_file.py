@@ -17,7 +17,8 @@ bytes were dropped. Two cases differ:
 
 * a **torn tail**: the file ends inside that record, or it is the file's last record. Expected
   after a crash: only the last append can be incomplete, and an append is acknowledged only once
-  written (what ``fsync`` adds: ``kvps.raft.journal``). Truncated, and the replica carries on as a voter.
+  written (``kvps.raft.journal`` says what ``fsync`` adds). Truncated, and the replica carries on
+  as a voter.
 * **damage**: a complete record that fails its checksum or breaks the sequence with more bytes
   after it. That is not a crash's footprint but a bad disk, a stray write or a bug, and the
   entries after it may have been acknowledged: this replica may have helped commit them and now

@@ -52,7 +52,8 @@ class PeerListener:
             logger.warning("raft listener %s:%d: cannot bind (%s); retrying", self._host, self._port, exc)
             raise
         self._sock, self._fileno = sock, sock.fileno()
-        self._poller.subscribe(self._fileno, self._onEvent, POLL_EVENT_TYPE.READ | POLL_EVENT_TYPE.ERROR)
+        self._poller.subscribe(self._fileno, self._onEvent,
+                               POLL_EVENT_TYPE.READ | POLL_EVENT_TYPE.ERROR)
 
     def unbind(self) -> None:
         if self._fileno is not None:

@@ -99,8 +99,8 @@ class AuthTransport(TCPTransport):
         host, port = address.rsplit(":", 1)
         internals.set_server(self, PeerListener(
             internals.poller(sync), host.strip("[]"), int(port),
-            socket_buffer_bytes=self._settings.socket_buffer_bytes,
-            on_socket=self._onNewPeerSocket, on_failure=functools.partial(internals.mark_unbound, self)))
+            socket_buffer_bytes=self._settings.socket_buffer_bytes, on_socket=self._onNewPeerSocket,
+            on_failure=functools.partial(internals.mark_unbound, self)))
 
     def addNode(self, node: Any) -> None:
         # The stock addNode does the node bookkeeping and, for nodes this side dials, stores a
@@ -182,8 +182,9 @@ class AuthTransport(TCPTransport):
         if node is not None:
             self._appends.forget(node)
         super()._onDisconnected(conn)
-        if (node is not None and getattr(conn, "closedByPeer", False) and internals.is_member(self, node)
-                and self._settings.on_peer_gone is not None and node not in self._probes):
+        if (node is not None and getattr(conn, "closedByPeer", False)
+                and internals.is_member(self, node) and self._settings.on_peer_gone is not None
+                and node not in self._probes):
             self._probe(node)
 
     # -- is a lost peer's process gone? (kvps.raft.probe) ---------------------------------------
@@ -218,7 +219,8 @@ class AuthTransport(TCPTransport):
         if now - self._lastSweep < _SWEEP_PERIOD:
             return
         self._lastSweep = now
-        for conn in list(internals.connections(self).values()) + list(internals.unknown_connections(self)):
+        conns = list(internals.connections(self).values()) + list(internals.unknown_connections(self))
+        for conn in conns:
             if isinstance(conn, PeerConnection):
                 conn.checkTimers(now)
         for probe in list(self._probes.values()):
