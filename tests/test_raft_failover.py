@@ -14,7 +14,7 @@ from pysyncobj.poller import createPoller
 from kvps.config import RaftConfig
 from kvps.errors import ConfigError
 from kvps.raft.failover import FastFailover, election_delay, schedule_election
-from kvps.raft.transport import _Probe
+from kvps.raft.probe import PortProbe
 
 A, B, C = "10.0.0.1:7200", "10.0.0.2:7200", "10.0.0.3:7200"
 DEADLINE = "_SyncObj__raftElectionDeadline"
@@ -89,7 +89,7 @@ def run_probe(port: int, window: float = 2.0, during=None, probes: list | None =
     poller = createPoller("auto")
     gone: list[str] = []
     done: list[bool] = []
-    probe = _Probe(poller, "peer", "127.0.0.1", port, window, gone.append, lambda: done.append(True))
+    probe = PortProbe(poller, "peer", "127.0.0.1", port, window, gone.append, lambda: done.append(True))
     if probes is not None:
         probes.append(probe)
     probe.start()
@@ -143,7 +143,7 @@ def test_probe_without_an_answer_is_inconclusive():
         listener.listen(0)
         fillers = [socket.create_connection(listener.getsockname(), timeout=1)]
         try:
-            probes: list[_Probe] = []
+            probes: list[PortProbe] = []
             assert run_probe(listener.getsockname()[1], window=0.3, probes=probes) == []
             assert not probes[0]._connected  # it ended on its window, not on an answer
         finally:

@@ -490,7 +490,7 @@ def test_compaction_runs_off_the_tick_thread(tmp_path):
         c.wait_converged()
         slow.applied = c.machines[address].sequence()
         c.machines[address] = slow
-        leader._applier, leader._snapshot_state = slow.apply, slow.snapshot
+        leader._applier, leader._compaction._snapshot_state = slow.apply, slow.snapshot
         term = leader.term()
         leader.forceLogCompaction()
         wait_for(slow.writing.is_set, 10, "the compaction writer to start")
@@ -505,7 +505,7 @@ def test_compaction_runs_off_the_tick_thread(tmp_path):
         log_before = leader.status()["log_entries"]
         slow.release.set()
         wait_for(lambda: leader.status()["compactions"]["succeeded"] == 1, 10, "the compaction to finish")
-        snap = snapshot_file.read(Path(leader._dump_path))
+        snap = snapshot_file.read(leader._compaction.dump_path)
         slow.restore(bytes(snap.state))
         assert slow.sequence() == covered
         assert snap.last_entry[1] >= len(covered)

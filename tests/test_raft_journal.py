@@ -30,7 +30,9 @@ from kvps.config import (
     load_cluster,
 )
 from kvps.errors import CodecError, ConfigError
+from kvps.raft import disk
 from kvps.raft import journal as journal_module
+from kvps.raft import journal_rewrite
 from kvps.raft.journal import MAGIC, RaftJournal, using_journal
 from kvps.raft.meta_file import META_MAGIC, SLOT
 
@@ -432,8 +434,8 @@ class SyncCounter:
         self.on_test_thread = 0  # calls made by the thread that runs the test (pysyncobj's, here)
         self._test_thread = threading.current_thread()
         self.event = threading.Event()
-        monkeypatch.setattr(journal_module, "_fdatasync", self._fdatasync)
-        monkeypatch.setattr(journal_module, "_fsync", self._fsync)
+        monkeypatch.setattr(disk, "fdatasync", self._fdatasync)
+        monkeypatch.setattr(disk, "fsync", self._fsync)
 
     def _fdatasync(self, fd: int) -> None:
         self.fdatasync += 1
@@ -587,7 +589,7 @@ def after_a_crash(path: Path, first_index: int) -> list[tuple[bytes, int, int]]:
 @pytest.fixture()
 def gate(monkeypatch) -> RewriteGate:
     gate = RewriteGate()
-    monkeypatch.setattr(journal_module, "_fdatasync", gate)
+    monkeypatch.setattr(disk, "fdatasync", gate)
     yield gate
     gate.opened.set()
 
@@ -595,7 +597,7 @@ def gate(monkeypatch) -> RewriteGate:
 @pytest.mark.parametrize("catch_up_bytes", [0, 1 << 20], ids=["rounds", "one-round"])
 def test_appends_during_a_pending_rewrite_land_in_the_new_file(tmp_path, gate, monkeypatch,
                                                                 catch_up_bytes):
-    monkeypatch.setattr(journal_module, "_CATCH_UP_BYTES", catch_up_bytes)
+    monkeypatch.setattr(journal_rewrite, "_CATCH_UP_BYTES", catch_up_bytes)
     path = tmp_path / "raft.journal"
     j = open_journal(path, "interval", fsync_interval=3600)
     model = fill(j, 8)
@@ -681,8 +683,8 @@ def test_delete_entries_to_does_not_wait_for_the_disk(tmp_path, monkeypatch, pol
         release.wait(5)
         woken.set()
 
-    monkeypatch.setattr(journal_module, "_fsync", slow_fsync)
-    monkeypatch.setattr(journal_module, "_fdatasync", slow_fsync)
+    monkeypatch.setattr(disk, "fsync", slow_fsync)
+    monkeypatch.setattr(disk, "fdatasync", slow_fsync)
     j.deleteEntriesTo(4)
     assert not woken.is_set(), "deleteEntriesTo waited for an fsync"
     model = model[4:]
@@ -736,8 +738,8 @@ class JournalModel(RuleBasedStateMachine):
         self.dir = Path(tempfile.mkdtemp(prefix="kvps-journal-"))
         self.path = self.dir / "raft.journal"
         self.gate = RewriteGate()
-        self.real_fdatasync = journal_module._fdatasync
-        journal_module._fdatasync = self.gate  # restored in teardown
+        self.real_fdatasync = disk.fdatasync
+        disk.fdatasync = self.gate  # restored in teardown
         self.journal = open_journal(self.path, "interval", fsync_interval=3600)
         self.model: list[tuple[bytes, int, int]] = []
         self.next_index = 1  # of the next entry while the model is empty
@@ -746,7 +748,7 @@ class JournalModel(RuleBasedStateMachine):
     def teardown(self) -> None:
         self.gate.release(self.journal)
         self.journal._destroy()
-        journal_module._fdatasync = self.real_fdatasync
+        disk.fdatasync = self.real_fdatasync
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def first_index(self) -> int:
@@ -913,7 +915,7 @@ def test_a_group_restarted_in_a_compaction_crash_window_keeps_its_entries(tmp_pa
         for i in range(16):
             c.propose(f"{i}-".encode() + b"z" * 4000)
         wait_for(lambda: group.status()["compactions"]["succeeded"] >= 1 and
-                 group._compaction is None, 20, "a compaction")
+                 not group._compaction.running, 20, "a compaction")
         for i in range(3):  # entries after the snapshot: only the journal holds them
             c.propose(f"after-{i}".encode())
         reference = c.wait_converged()

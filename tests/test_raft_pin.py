@@ -2,10 +2,14 @@
 first, and say which assumption broke, when an upgrade moves one of them."""
 from __future__ import annotations
 
+import ast
 import inspect
 import pickle
 import re
+import socket
 from pathlib import Path
+
+import pytest
 
 import pysyncobj
 import pysyncobj.journal
@@ -24,12 +28,16 @@ from pysyncobj.tcp_connection import CONNECTION_STATE, TcpConnection
 from pysyncobj.transport import TCPTransport
 from pysyncobj.version import VERSION
 
+import kvps
 from kvps.config import RaftConfig
 from kvps.raft import group as group_module
-from kvps.raft import journal as journal_module
+from kvps.raft import internals
+from kvps.raft.compaction import is_last_install_chunk
+from kvps.raft.connection import PeerConnection
 from kvps.raft.group import COMMAND_TOO_LARGE, GROUP_STOPPED, ShardGroup, syncobj_options
 from kvps.raft.journal import RaftJournal
-from kvps.raft.transport import TransportStats, _PeerConnection, _Settings
+from kvps.raft.peer_settings import PeerSettings, TransportStats
+from kvps.raft.transport import AuthTransport
 
 
 def src(obj) -> str:
@@ -85,8 +93,8 @@ def test_our_connection_has_everything_tcp_transport_touches():
     used = set(re.findall(r"\bconn\.(\w+)", source))
     used |= set(re.findall(r"self\._connections\[node\]\.(\w+)", source))
     assert used, "pattern no longer matches: re-check how TCPTransport uses connections"
-    settings = _Settings(b"s" * 32, b"ctx", 1 << 20, 0, TransportStats())
-    conn = _PeerConnection(settings, createPoller("auto"), 1.0, None)
+    settings = PeerSettings(b"s" * 32, b"ctx", 1 << 20, 0, TransportStats())
+    conn = PeerConnection(settings, createPoller("auto"), 1.0, None)
     missing = sorted(name for name in used if not hasattr(conn, name))
     assert not missing, f"TCPTransport now uses connection attributes we lack: {missing}"
     assert set(vars(CONNECTION_STATE)) >= {"DISCONNECTED", "CONNECTING", "CONNECTED"}
@@ -114,7 +122,7 @@ def test_outgoing_connected_and_incoming_first_message_paths():
 
 
 def test_what_the_port_probe_relies_on():
-    """transport.AuthTransport probes a member whose connection the peer closed (fast failover)."""
+    """transport.AuthTransport probes (kvps.raft.probe) a member whose connection the peer closed."""
     # TCPTransport reports a lost member through _onDisconnected, which we extend; voting members
     # are in _nodes (dropNode removes them, so a removed member is never probed).
     dis = src(TCPTransport._onDisconnected)
@@ -151,7 +159,7 @@ def test_syncobj_methods_and_properties_we_use():
     assert "transportClass(self, self.__selfNode, self.__otherNodes)" in init
     assert "self._methodToID[method] = currMethodID" in init
     assert (_RAFT_STATE.FOLLOWER, _RAFT_STATE.CANDIDATE, _RAFT_STATE.LEADER) == (0, 1, 2)
-    assert group_module._ROLES == {0: "follower", 1: "candidate", 2: "leader"}
+    assert internals.ROLES == {0: "follower", 1: "candidate", 2: "leader"}
 
 
 def test_command_format_and_apply_order():
@@ -219,7 +227,7 @@ def test_serializer_hooks_contract():
 
 
 def test_next_index_handling_the_pipelining_fix_relies_on():
-    """transport.AuthTransport restores nextIndex with a synthetic reset reply (see its comment)."""
+    """replication.AppendPipeline restores nextIndex with a synthetic reset reply (its module doc)."""
     receive = src(SyncObj._SyncObj__onMessageReceived)
     assert ("if message['type'] == 'next_node_idx': reset = message['reset'] nextNodeIdx = "
             "message['next_node_idx'] success = message['success'] currentNodeIdx = nextNodeIdx - 1 "
@@ -233,7 +241,7 @@ def test_next_index_handling_the_pipelining_fix_relies_on():
 
 
 def test_follower_append_handling_the_rebase_relies_on():
-    """transport.AuthTransport._rebase_append (see its comment): SyncObj keeps its log in
+    """replication.rebase_append (its module doc): SyncObj keeps its log in
     __raftLog as (command, index, term) entries, truncates after prevLogIdx whenever it holds more,
     and never lowers a follower's matchIndex (so a truncated follower stays counted)."""
     receive = src(SyncObj._SyncObj__onMessageReceived)
@@ -297,9 +305,9 @@ def test_what_the_install_rename_guard_relies_on():
     setdata = src(Serializer.setTransmissionData)
     assert "data, isFirst, isLast = data" in setdata
     assert "atomicReplace(tmpFile, self.__fileName)" in setdata
-    assert group_module._last_install_chunk({"type": "append_entries", "serialized": (b"", False, True)})
-    assert not group_module._last_install_chunk({"type": "append_entries", "serialized": (b"", True, False)})
-    assert not group_module._last_install_chunk({"type": "append_entries", "entries": []})
+    assert is_last_install_chunk({"type": "append_entries", "serialized": (b"", False, True)})
+    assert not is_last_install_chunk({"type": "append_entries", "serialized": (b"", True, False)})
+    assert not is_last_install_chunk({"type": "append_entries", "entries": []})
 
 
 def test_tick_thread_lifetime_we_document():
@@ -311,14 +319,32 @@ def test_tick_thread_lifetime_we_document():
 # ---- journal.py: how SyncObj builds and uses its journal ------------------------------------------
 
 def test_syncobj_creates_its_journal_through_the_module_global():
-    """kvps.raft.journal replaces pysyncobj.syncobj.createJournal; that only works while
-    SyncObj.__init__ looks the name up as a module global and passes it conf.journalFile."""
+    """kvps.raft.internals.journal_factory replaces pysyncobj.syncobj.createJournal; that only
+    works while SyncObj.__init__ looks the name up as a module global and passes it
+    conf.journalFile."""
     assert "createJournal" in SyncObj.__init__.__code__.co_names
     assert "self.__raftLog = createJournal(self.__conf.journalFile)" in src(SyncObj.__init__)
-    assert pysyncobj.syncobj.createJournal in (journal_module._original_create_journal,
-                                                journal_module._create_journal)
-    assert journal_module._original_create_journal is pysyncobj.journal.createJournal
+    assert pysyncobj.syncobj.createJournal in (internals._stock_create_journal,
+                                                internals._create_journal)
+    assert internals._stock_create_journal is pysyncobj.journal.createJournal
     assert params(pysyncobj.journal.createJournal) == ["journalFile"]
+
+
+def test_journal_factory_builds_the_journal_of_a_syncobj(tmp_path):
+    path, made = tmp_path / "raft.journal", []
+
+    def make(journal_file: str) -> Journal:
+        made.append(journal_file)
+        return pysyncobj.journal.MemoryJournal()
+
+    address = _free_address()
+    with internals.journal_factory(path, make):
+        obj = SyncObj(address, [], SyncObjConf(autoTick=False, journalFile=str(path)))
+    try:
+        assert made == [str(path)] and isinstance(internals.raft_log(obj), pysyncobj.journal.MemoryJournal)
+    finally:
+        obj.destroy()
+        obj._onTick(0.0)
 
 
 def test_our_journal_has_every_method_syncobj_calls():
@@ -334,3 +360,198 @@ def test_our_journal_has_every_method_syncobj_calls():
     # with the snapshot's (command, index, term) tuples.
     source = inspect.getsource(pysyncobj.syncobj)
     assert "self.__raftLog[diff:diff + count]" in source and "self.__raftLog[0] != data[2]" in source
+
+
+# ---- internals.py: every private name, one accessor each --------------------------------------------
+
+def _mangled_attributes(cls: type) -> set[str]:
+    """``self.__name`` attributes assigned in ``cls``, as they appear on instances."""
+    return {f"_{cls.__name__}{name}" for name in re.findall(r"self\.(__[A-Za-z]\w*) =", inspect.getsource(cls))}
+
+
+@pytest.mark.parametrize("name", internals.SYNCOBJ_ATTRIBUTES)
+def test_syncobj_attribute_still_exists(name):
+    init = src(SyncObj.__init__)
+    assert f"self.{name.replace('_SyncObj', '')} = " in init, name
+    # every accessor is read after __init__, and the transport's poller before the transport
+    assert init.index(f"self.{name.replace('_SyncObj', '')} = ") < init.index("self.__transport = transportClass")
+
+
+@pytest.mark.parametrize("name", internals.SYNCOBJ_METHODS + internals.TRANSPORT_METHODS)
+def test_method_still_exists(name):
+    owner = SyncObj if name in internals.SYNCOBJ_METHODS else TCPTransport
+    assert callable(getattr(owner, name, None)), name
+
+
+@pytest.mark.parametrize("name", internals.TRANSPORT_ATTRIBUTES)
+def test_transport_attribute_still_exists(name):
+    assert f"self.{name} = " in src(TCPTransport.__init__), name
+
+
+@pytest.mark.parametrize("ours,theirs,names", [
+    (ShardGroup, SyncObj, internals.SYNCOBJ_OVERRIDES),
+    (AuthTransport, TCPTransport, internals.TRANSPORT_OVERRIDES),
+    (RaftJournal, Journal, internals.JOURNAL_OVERRIDES),
+])
+def test_overrides_match_what_they_override(ours, theirs, names):
+    for name in names:
+        assert callable(getattr(theirs, name, None)) and name in vars(ours), name
+        assert params(vars(ours)[name]) == params(getattr(theirs, name)), name
+    # pysyncobj calls them through self, so ours are the ones it calls
+    assert "self.__raftLog._destroy()" in inspect.getsource(pysyncobj.syncobj)
+    assert "self._syncObj.addOnTickCallback(self._onTick)" in src(TCPTransport.__init__)
+    assert "self.__generateRaftTimeout()" in src(SyncObj.__init__)
+
+
+def test_module_level_names_still_exist():
+    assert internals.REGULAR_COMMAND == _COMMAND_TYPE.REGULAR == 0
+    assert internals.ROLES == {_RAFT_STATE.FOLLOWER: "follower", _RAFT_STATE.CANDIDATE: "candidate",
+                               _RAFT_STATE.LEADER: "leader"}
+    assert callable(pysyncobj.syncobj.createJournal)
+
+
+def _free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def syncobj():
+    """A plain SyncObj that never ticks on its own and stands for no election."""
+    address = _free_address()
+    obj = SyncObj(address, [], SyncObjConf(autoTick=False, commandsWaitLeader=False, raftMinTimeout=30.0,
+                                           raftMaxTimeout=31.0, connectionTimeout=31.0))
+    try:
+        yield obj
+    finally:
+        obj.destroy()
+        obj._onTick(0.0)  # destroy() takes effect on the next tick
+
+
+def test_syncobj_accessors_read_what_the_public_api_reads(syncobj):
+    assert internals.current_term(syncobj) == internals.term(syncobj) == syncobj.raftCurrentTerm
+    assert internals.commit_index(syncobj) == syncobj.raftCommitIndex
+    assert not internals.is_leader(syncobj) and internals.leader(syncobj) is None
+    log = internals.raft_log(syncobj)
+    assert internals.log_size(syncobj) == len(log) >= 1
+    first = log[0]
+    assert len(first) == 3 and internals.entries(syncobj, first[1], 1) == [first]
+    deadline = internals.election_deadline(syncobj)
+    assert deadline > pysyncobj.monotonic.monotonic() + 10
+    internals.set_election_deadline(syncobj, deadline + 1.0)
+    assert internals.election_deadline(syncobj) == deadline + 1.0
+    assert callable(internals.poller(syncobj).subscribe)
+    assert 30.0 <= internals.stock_generate_raft_timeout(syncobj) <= 31.0
+
+
+def test_syncobj_stock_methods_can_be_called(syncobj):
+    results = []
+    internals.apply_command(syncobj, bytes((internals.REGULAR_COMMAND, 0xFF)),
+                            lambda result, reason: results.append(reason))
+    syncobj._onTick(0.0)  # no leader yet: commandsWaitLeader=False fails it at once
+    assert results == [FAIL_REASON.MISSING_LEADER]
+    assert internals.stock_do_apply_command(syncobj, bytes((_COMMAND_TYPE.NO_OP,))) is None
+    internals.stock_on_message_received(syncobj, TCPNode("127.0.0.1:1"),
+                                        {"type": "next_node_idx", "next_node_idx": 2,
+                                         "reset": True, "success": False})  # no leader: ignored
+
+
+def test_transport_accessors(syncobj):
+    transport = syncobj._SyncObj__transport
+    assert internals.sync_obj(transport) is syncobj
+    assert internals.connections(transport) == {} and internals.unknown_connections(transport) == set()
+    assert internals.node_at(transport, "127.0.0.1:1") is None
+    assert not internals.is_member(transport, TCPNode("127.0.0.1:1"))
+    assert internals.self_node(transport) == syncobj.selfNode
+    assert internals.node_of(transport, object()) is None
+    server = transport._server
+    internals.set_server(transport, "ours")
+    assert transport._server == "ours"
+    internals.set_server(transport, server)
+    internals.mark_unbound(transport)
+    assert transport._ready is False
+    assert "self._ready = True" in src(TCPTransport._maybeBind)  # what mark_unbound undoes
+
+
+def test_transport_hands_connections_to_the_stock_bookkeeping(syncobj):
+    transport = syncobj._SyncObj__transport
+    settings = PeerSettings(b"s" * 32, b"ctx", 1 << 20, 0, TransportStats())
+    incoming = PeerConnection(settings, internals.poller(syncobj), 1.0, None)
+    internals.add_incoming(transport, incoming)
+    assert incoming in internals.unknown_connections(transport)
+    assert incoming._onMessage is not None and incoming._onDisconnected is not None
+    node, outgoing = TCPNode("127.0.0.1:1"), PeerConnection(settings, internals.poller(syncobj), 1.0, None)
+    internals.connections(transport)[node] = outgoing
+    assert internals.node_of(transport, outgoing) == node
+    internals.outgoing_connected(transport, outgoing)  # names itself (dropped: not connected) ...
+    assert syncobj.isNodeConnected(node)  # ... and reports the node connected
+
+
+def test_every_accessor_is_pinned_here():
+    """Each function of internals is called, or its pysyncobj source pinned, in this file."""
+    source = Path(__file__).read_text()
+    functions = [n for n in internals.__all__ if callable(getattr(internals, n))]
+    assert functions and not [n for n in functions if f"internals.{n}(" not in source]
+
+
+def _audit(path: Path, theirs: set[str]) -> list[str]:
+    """Where ``path`` names a pysyncobj private name outside what internals allows (see below)."""
+    overrides = {"ShardGroup": set(internals.SYNCOBJ_OVERRIDES),
+                 "AuthTransport": set(internals.TRANSPORT_OVERRIDES),
+                 "RaftJournal": set(internals.JOURNAL_OVERRIDES)}
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+
+    def mangled(name: str) -> bool:
+        return re.fullmatch(r"_[A-Z][A-Za-z]*__\w+", name) is not None
+
+    def visit(node: ast.AST, cls: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, child.name)
+                continue
+            where = f"{path.name}:{getattr(child, 'lineno', '?')}"
+            if isinstance(child, ast.FunctionDef) and cls in overrides and child.name in theirs:
+                if child.name not in overrides[cls]:
+                    found.append(f"{where} {cls} overrides {child.name}, not listed in internals")
+            if isinstance(child, ast.ImportFrom) and (child.module or "").startswith("pysyncobj"):
+                found.extend(f"{where} imports {a.name}" for a in child.names if a.name.startswith("_"))
+            if isinstance(child, ast.Attribute) and (child.attr in theirs or mangled(child.attr)):
+                receiver = child.value
+                on_self = (isinstance(receiver, ast.Name) and receiver.id == "self") or (
+                    isinstance(receiver, ast.Call) and getattr(receiver.func, "id", "") == "super")
+                if not on_self:
+                    found.append(f"{where} .{child.attr}")
+                elif cls in overrides and child.attr not in overrides[cls]:
+                    found.append(f"{where} self.{child.attr} in {cls}")
+            visit(child, cls)
+
+    visit(tree, None)
+    return found
+
+
+def test_only_internals_touches_pysyncobj_private_names():
+    """Every module of kvps but internals: no pysyncobj private name on anything but our own
+    objects (``self`` in a class that does not extend pysyncobj's), and our subclasses of
+    pysyncobj's classes touch only the overrides internals lists."""
+    theirs = {"createJournal", *internals.SYNCOBJ_ATTRIBUTES}
+    for cls in (SyncObj, TCPTransport, Journal):
+        for klass in cls.__mro__:
+            if klass.__module__.startswith("pysyncobj"):
+                theirs |= {n for n in vars(klass) if n.startswith("_") and not n.startswith("__")}
+        theirs |= set(re.findall(r"self\.(_[A-Za-z]\w*)", inspect.getsource(inspect.getmodule(cls))))
+    theirs |= _mangled_attributes(SyncObj)
+    assert {"_poller", "_connections", "_SyncObj__raftLog", "_onTick", "_destroy"} <= theirs
+    root = Path(kvps.__file__).parent
+    found = [hit for path in sorted(root.rglob("*.py")) if path.name != "internals.py"
+             for hit in _audit(path, theirs)]
+    assert not found, "pysyncobj private names outside kvps/raft/internals.py:\n" + "\n".join(found)
+
+
+def test_the_audit_would_notice(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f(group):\n    return group._SyncObj__raftLog, group._isLeader()\n"
+                      "class AuthTransport:\n    def _connToNode(self, conn):\n        return self._nodes\n")
+    theirs = {"_isLeader", "_connToNode", "_nodes"}
+    assert len(_audit(sample, theirs)) == 4

@@ -1,8 +1,9 @@
 """The Raft peer transport under attack: nothing is unpickled before authentication, no global is
-ever unpickled, frame caps hold before allocation, wrong secrets and replays never connect.
+ever unpickled, frame caps hold before allocation, wrong secrets and replays never connect. At the
+end, its pure pieces alone (wire format, handshake, replication patches), without sockets.
 
 A live 3-group cluster on 127.0.0.1; attackers are plain sockets speaking the wire format from
-``kvps/raft/transport.py``'s module docstring.
+``kvps/raft/wire.py``'s module docstring.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import os
 import pickle
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -23,8 +26,19 @@ from conftest import free_ports, wait_for
 
 from kvps.config import RaftConfig
 from kvps.raft.group import ShardGroup
-from kvps.raft.transport import (
+from kvps.raft.handshake import (
+    AUTHENTICATED,
+    AWAIT_HELLO,
+    TCP_CONNECTING,
+    Handshake,
+    HandshakeRejected,
+)
+from kvps.raft.replication import AppendPipeline, rebase_append
+from kvps.raft.wire import (
+    FRAME_HEADER,
+    HANDSHAKE_FRAME_CAP,
     HELLO_MAGIC,
+    KEEPALIVE_FRAME,
     NONCE_BYTES,
     PROTOCOL_VERSION,
     decode_message,
@@ -378,3 +392,139 @@ def test_membership_change_commits_through_the_restricted_transport(live):
         wait_for(lambda c=change: all((extra in {n.address for n in g.otherNodes}) == (c == "add")
                                       for g in live.groups.values()), what=f"membership {change}")
     live.commit(b"after-membership-changes")
+
+
+# ---- the pure pieces: wire format, handshake, replication patches (no sockets) ---------------------
+
+PURE_PEER_MODULES = ["kvps.raft.wire", "kvps.raft.handshake", "kvps.raft.replication"]
+
+
+@pytest.mark.parametrize("name", PURE_PEER_MODULES)
+def test_pure_peer_modules_import_no_socket_thread_or_pysyncobj(name):
+    """In a fresh interpreter: the package's own __init__ must not drag them in either."""
+    forbidden = ["pysyncobj", "socket", "threading", "selectors", "asyncio"]
+    code = (f"import importlib, sys; importlib.import_module({name!r}); "
+            f"print(sorted(m for m in {forbidden!r} if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", f"{name} pulls in {proc.stdout.strip()}"
+
+
+def test_the_import_check_would_notice():
+    code = "import sys, kvps.raft.transport; print('socket' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "True", proc.stderr
+
+
+def test_wire_refuses_inconsistent_bodies():
+    body = b"".join(bytes(p) for p in encode_message({"entries": [(b"e" * 20000, 1, 1)]}))
+    assert decode_message(memoryview(body))["entries"][0][0] == b"e" * 20000
+    with pytest.raises(ValueError, match="add up"):
+        decode_message(memoryview(body[:-1]))  # an out-of-band buffer cut short
+    with pytest.raises(ValueError, match="layout"):
+        decode_message(memoryview(struct.pack("<IH", 0, 5000)))  # more buffers than allowed
+    assert FRAME_HEADER.unpack(KEEPALIVE_FRAME) == (0,)
+    assert len(HELLO_MAGIC) + 1 + NONCE_BYTES <= HANDSHAKE_FRAME_CAP
+
+
+def run_handshake(client: Handshake, server: Handshake) -> None:
+    challenge = server.receive(client.hello())
+    response = client.receive(challenge)
+    assert client.authenticated and not server.authenticated  # the client checked the server first
+    assert server.receive(response) == b""
+
+
+def test_handshake_authenticates_both_sides():
+    client = Handshake(SECRET, CONTEXT.encode(), incoming=False)
+    server = Handshake(SECRET, CONTEXT.encode(), incoming=True)
+    assert (client.phase, server.phase) == (TCP_CONNECTING, AWAIT_HELLO)
+    run_handshake(client, server)
+    assert client.phase == server.phase == AUTHENTICATED
+
+
+@pytest.mark.parametrize("secret,context", [(b"another-secret-0123456789abcdef0123", CONTEXT),
+                                            (SECRET, "test/shard=8")])
+def test_handshake_with_another_secret_or_context_fails_on_both_sides(secret, context):
+    server = Handshake(SECRET, CONTEXT.encode(), incoming=True)
+    client = Handshake(secret, context.encode(), incoming=False)
+    challenge = server.receive(client.hello())
+    with pytest.raises(HandshakeRejected, match="server failed authentication"):
+        client.receive(challenge)
+    forged = handshake_mac(secret, context.encode(), b"client", b"n" * NONCE_BYTES, challenge[:NONCE_BYTES])
+    with pytest.raises(HandshakeRejected, match="client failed authentication"):
+        server.receive(forged)
+
+
+def test_handshake_refuses_replays_reflections_and_bad_frames():
+    nonces = iter([b"c" * NONCE_BYTES, b"s" * NONCE_BYTES, b"t" * NONCE_BYTES])
+    take = lambda n: next(nonces)  # noqa: E731 - a recorded exchange, then a new server nonce
+    first_client = Handshake(SECRET, b"ctx", incoming=False, nonce=take)
+    first_server = Handshake(SECRET, b"ctx", incoming=True, nonce=take)
+    hello = first_client.hello()
+    response = first_client.receive(first_server.receive(hello))
+    replayed = Handshake(SECRET, b"ctx", incoming=True, nonce=take)
+    challenge = replayed.receive(hello)  # a fresh server nonce ...
+    with pytest.raises(HandshakeRejected, match="replay"):
+        replayed.receive(response)  # ... so the recorded response no longer checks
+    reflected = Handshake(SECRET, b"ctx", incoming=True)
+    challenge = reflected.receive(Handshake(SECRET, b"ctx", incoming=False).hello())
+    with pytest.raises(HandshakeRejected, match="client failed"):
+        reflected.receive(challenge[NONCE_BYTES:])  # the server's own MAC as the client's
+    for frame, reason in ((b"HELLO", "bad hello"),
+                          (HELLO_MAGIC + bytes((PROTOCOL_VERSION + 1,)) + bytes(NONCE_BYTES),
+                           "unsupported protocol version")):
+        with pytest.raises(HandshakeRejected, match=reason):
+            Handshake(SECRET, b"ctx", incoming=True).receive(frame)
+    client = Handshake(SECRET, b"ctx", incoming=False)
+    with pytest.raises(HandshakeRejected, match="before the connection"):
+        client.receive(b"x")
+    client.hello()
+    with pytest.raises(HandshakeRejected, match="bad challenge"):
+        client.receive(b"short")
+
+
+def log_of(*terms: int, first: int = 1) -> list[tuple[bytes, int, int]]:
+    return [(b"e%d" % i, first + i, t) for i, t in enumerate(terms)]
+
+
+def append(prev: int, prev_term: int, term: int, entries: list) -> dict:
+    return {"type": "append_entries", "term": term, "commit_index": 0, "prevLogIdx": prev,
+            "prevLogTerm": prev_term, "entries": entries}
+
+
+def test_rebase_keeps_entries_a_stale_append_would_truncate():
+    log = log_of(1, 2, 2, 2)  # indexes 1..4, our last entry is of the leader's term 2
+    stale = append(2, 2, 2, log[2:3] + [(b"e5", 5, 2)])  # re-sends 3, adds 5
+    rebased = rebase_append(log, stale)
+    assert rebased["prevLogIdx"] == 4 and rebased["prevLogTerm"] == 2
+    assert rebased["entries"] == [(b"e5", 5, 2)]
+
+
+def test_rebase_leaves_conflicts_other_terms_and_snapshots_to_syncobj():
+    log = log_of(1, 2, 2, 2)
+    unchanged = [
+        append(2, 2, 2, [(b"x", 3, 1)]),  # a real conflict: Raft truncates
+        append(2, 1, 2, []),  # prevLogTerm mismatch: SyncObj answers with a reset
+        append(2, 2, 3, []),  # our last entry is not of the sender's term
+        append(4, 2, 2, []),  # nothing to keep: at our end already
+        {**append(2, 2, 2, []), "serialized": (b"", True, False)},
+    ]
+    unchanged.append(append(0, 0, 2, []))
+    for message in unchanged:
+        assert rebase_append(log if message["prevLogIdx"] else [], message) is message
+
+
+def test_append_pipeline_restores_next_index_and_defers_on_a_full_queue():
+    pipeline = AppendPipeline(queue_cap=100)
+    sent = append(3, 2, 2, log_of(2, 2, first=4))  # entries 4 and 5 in flight
+    assert not pipeline.must_defer("n", sent, lambda: 100)
+    pipeline.after_send("n", sent, True)
+    behind = {"type": "next_node_idx", "next_node_idx": 5, "reset": False, "success": True}
+    assert pipeline.after_reply("n", behind, True, 2) == {
+        "type": "next_node_idx", "next_node_idx": 6, "reset": True, "success": False}
+    assert pipeline.after_reply("n", behind, True, 3) is None  # another term
+    assert pipeline.after_reply("n", behind, False, 2) is None  # no longer leading
+    pipeline.after_reply("n", {**behind, "reset": True}, True, 2)  # a real reset: forgotten
+    assert pipeline.after_reply("n", behind, True, 2) is None
+    assert pipeline.must_defer("n", sent, lambda: 101)
+    assert not pipeline.must_defer("n", append(3, 2, 2, []), lambda: 101)  # heartbeats still go

@@ -1,18 +1,50 @@
 """The Raft layer: the only package that imports pysyncobj (pinned to 0.3.17).
 
-* ``transport`` -- authenticated, size-capped peer connections (HMAC challenge-response on the
-  cluster secret, protocol-5 pickles read with an Unpickler that refuses every global).
+The group and what it is built from:
+
 * ``group`` -- ``ShardGroup``, the one ``SyncObj`` subclass, with one ``@replicated`` method.
+* ``internals`` -- every pysyncobj private name kvps touches, one accessor each, each pinned.
 * ``bridge`` -- pysyncobj callbacks to asyncio futures, ``FAIL_REASON`` to kvps errors.
+* ``threads`` -- kernel-visible names and background priority for the threads of this layer.
+
+Log compaction and durability:
+
+* ``compaction`` -- log compaction through pysyncobj's serializer hooks, on a writer thread.
 * ``snapshot_file`` -- our log-compaction snapshot format.
 * ``journal`` -- our Raft journal (checksummed, crash-safe, explicit fsync policy), installed in
   place of pysyncobj's ``FileJournal``.
+* ``journal_file`` -- the journal file's layout, and reading it back at open (torn tail, damage).
+* ``journal_rewrite`` -- the journal's compaction rewrite, on its own thread.
+* ``meta_file`` -- term, vote and commit index, in two slots overwritten in place.
+* ``disk`` -- positional writes, in-kernel copies and fsyncs (journal, meta file, recovery marker).
+
+Peer traffic:
+
+* ``transport`` -- ``make_transport_class``: pysyncobj's ``TCPTransport`` with the pieces below.
+* ``wire`` -- the peer wire format (frames, message bodies, the no-globals unpickler, the
+  handshake MAC); pure.
+* ``handshake`` -- the mutual HMAC challenge-response as a state machine; pure.
+* ``connection`` -- one authenticated, size-capped peer connection on pysyncobj's poller.
+* ``peer_settings`` -- the secret, limits, counters and socket options every connection shares.
+* ``listener`` -- the Raft port's listening socket.
+* ``probe`` -- whether a member that closed its connection still listens (its process is gone).
+* ``replication`` -- the leader's nextIndex restore and back-pressure, the follower's rebase;
+  pure.
+
+Membership and faults:
+
+* ``membership`` -- adding, removing members and moving leadership, one change at a time.
+* ``failover`` -- a new election ~0.1 s after the leader's process is gone.
+* ``recovery`` -- a replica that lost its data withholds its vote until it has caught up.
 
 ``tests/test_raft_pin.py`` fails first when a pysyncobj upgrade moves an internal we rely on.
+The names below are loaded on first use, so that importing a pure module of this package (``wire``,
+``handshake``, ``replication``) imports neither pysyncobj nor a socket.
 """
-from kvps.raft.bridge import FAIL_REASON_ERRORS, error_for, propose
-from kvps.raft.group import COMMAND_TOO_LARGE, GROUP_STOPPED, ShardGroup
-from kvps.raft.transport import make_transport_class
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = [
     "COMMAND_TOO_LARGE",
@@ -23,3 +55,20 @@ __all__ = [
     "make_transport_class",
     "propose",
 ]
+
+_HOMES = {
+    "COMMAND_TOO_LARGE": "kvps.raft.group",
+    "FAIL_REASON_ERRORS": "kvps.raft.bridge",
+    "GROUP_STOPPED": "kvps.raft.group",
+    "ShardGroup": "kvps.raft.group",
+    "error_for": "kvps.raft.bridge",
+    "make_transport_class": "kvps.raft.transport",
+    "propose": "kvps.raft.bridge",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'kvps.raft' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

@@ -41,9 +41,9 @@ one more election timeout.
 
 pysyncobj checks the deadline once per tick; its tick thread polls at most 50 ms
 (``autoTickPeriod``) when no socket is busy, so keep ``stagger`` above that. The one pysyncobj
-internal used is ``SyncObj.__raftElectionDeadline`` (also used by ``membership.hold_elections``),
-compared with ``pysyncobj.monotonic.monotonic()`` in ``SyncObj._onTick``; tests/test_raft_pin.py
-checks both.
+internal used is ``SyncObj.__raftElectionDeadline`` (``kvps.raft.internals``; also used by
+``membership.hold_elections``), compared with ``pysyncobj.monotonic.monotonic()`` in
+``SyncObj._onTick``; tests/test_raft_pin.py checks both.
 """
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from pysyncobj.monotonic import monotonic
+
+from kvps.raft import internals
 
 __all__ = ["FastFailover", "election_delay", "schedule_election"]
 
@@ -72,8 +74,8 @@ def schedule_election(group: Any, delay: float) -> float:
     """Set ``group``'s election deadline to ``delay`` seconds from now; returns how many seconds
     the deadline moved (negative: earlier). Tick thread only."""
     deadline = monotonic() + delay
-    moved = deadline - group._SyncObj__raftElectionDeadline
-    group._SyncObj__raftElectionDeadline = deadline
+    moved = deadline - internals.election_deadline(group)
+    internals.set_election_deadline(group, deadline)
     return moved
 
 

@@ -24,7 +24,8 @@ What pysyncobj 0.3.17 does, and what that asks of callers:
 
 ``transferLeadership`` reads and writes SyncObj state and sends on the transport, which only the
 tick thread may do: it is run from a tick callback (``_TickCalls``), never from the caller's thread.
-tests/test_membership.py pins the pysyncobj names used here.
+tests/test_membership.py pins the pysyncobj behaviour used here; its private names are reached
+through ``kvps.raft.internals``.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from typing import Any
 from pysyncobj.config import FAIL_REASON
 from pysyncobj.monotonic import monotonic
 
+from kvps.raft import internals
 from kvps.raft.bridge import error_for
 
 __all__ = ["change", "hears_leader", "hold_elections", "members"]
@@ -53,16 +55,16 @@ def hears_leader(group: Any) -> bool:
     """Whether this replica leads, or has heard from its leader within an election timeout. A
     replica removed from its group keeps its last leader for good: nobody sends to it any more,
     and pysyncobj starts no election while it is connected to no one."""
-    if group._isLeader():
+    if internals.is_leader(group):
         return True
-    return group._getLeader() is not None and group._SyncObj__raftElectionDeadline >= monotonic()
+    return internals.leader(group) is not None and internals.election_deadline(group) >= monotonic()
 
 
 def hold_elections(group: Any, seconds: float) -> None:
     """Start no election for ``seconds`` (a joining replica; see the module doc). Never brings
     an election nearer (a recovering replica holds its elections for good, kvps.raft.recovery)."""
-    group._SyncObj__raftElectionDeadline = max(group._SyncObj__raftElectionDeadline,
-                                               monotonic() + seconds)
+    internals.set_election_deadline(group, max(internals.election_deadline(group),
+                                               monotonic() + seconds))
 
 
 class _TickCalls:

@@ -46,7 +46,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvps.raft.journal import _fsync_dir  # one helper for every durable rename/create here
+from kvps.raft import internals
+from kvps.raft.disk import fsync_dir  # one helper for every durable rename/create here
 
 __all__ = ["MARKER", "Recovery", "forget_hosted", "mark", "prepare_start"]
 
@@ -67,8 +68,8 @@ def mark(journal_dir: Path, reason: str = LOST) -> None:
         f.write(f"{' '.join(reason.split())}\nit votes again once it has caught up\n".encode())
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(journal_dir)
-    _fsync_dir(journal_dir.parent)
+    fsync_dir(journal_dir)
+    fsync_dir(journal_dir.parent)
 
 
 def prepare_start(node_dir: Path, name: str) -> bool:
@@ -87,8 +88,8 @@ def prepare_start(node_dir: Path, name: str) -> bool:
     hosted.parent.mkdir(parents=True, exist_ok=True)
     with open(hosted, "wb") as f:
         os.fsync(f.fileno())
-    _fsync_dir(hosted.parent)
-    _fsync_dir(node_dir)
+    fsync_dir(hosted.parent)
+    fsync_dir(node_dir)
     return False
 
 
@@ -132,12 +133,12 @@ class Recovery:
 
     def check(self, group: Any) -> bool:
         """End recovery once caught up (the module docstring's (a) and (b)); True when it ended
-        now. Uses pysyncobj internals pinned by tests/test_raft_pin.py."""
+        now. Uses pysyncobj internals (``kvps.raft.internals``, pinned by tests/test_raft_pin.py)."""
         if not self.active or self._heard is None:
             return False
-        term = group._SyncObj__raftCurrentTerm
-        commit = group._SyncObj__raftCommitIndex
-        entries = group._SyncObj__getEntries(commit, 1)
+        term = internals.current_term(group)
+        commit = internals.commit_index(group)
+        entries = internals.entries(group, commit, 1)
         if term <= 0 or not entries or entries[0][2] != term:
             return False
         heard_term, announced = self._heard
@@ -145,7 +146,7 @@ class Recovery:
             return False
         try:
             self._path.unlink()
-            _fsync_dir(self._path.parent)
+            fsync_dir(self._path.parent)
         except FileNotFoundError:
             pass
         except OSError as exc:  # it votes now; after a restart it recovers again (safe, slower)
@@ -154,7 +155,7 @@ class Recovery:
         self.reason = None
         logger.warning("raft: caught up with the leader of term %d (commit index %d): this replica "
                        "votes again (%d vote requests withheld while recovering)",
-                       term, group._SyncObj__raftCommitIndex, self.votes_withheld)
+                       term, internals.commit_index(group), self.votes_withheld)
         return True
 
 

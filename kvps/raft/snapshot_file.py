@@ -32,7 +32,7 @@ from pathlib import Path
 
 from kvps.errors import CodecError
 
-__all__ = ["MAGIC", "VERSION", "RaftSnapshot", "read", "write"]
+__all__ = ["MAGIC", "VERSION", "RaftSnapshot", "read", "set_busy_probe", "write", "write_buffers"]
 
 MAGIC = b"KVPSRSNP"
 VERSION = 1

@@ -1,0 +1,55 @@
+"""What the Raft layer's threads tell the kernel: their names, and that some may wait.
+
+The tick thread, the journal's syncing and rewriting threads and the snapshot writers all show as
+``python`` in ``top -H``, ``ps -L``, py-spy and ``/proc/<pid>/task/*/stack`` unless they name
+themselves (a new thread inherits its creator's kernel name, not its Python one). Snapshot
+writers run at background priority so that they yield the cores and the disk to the tick thread,
+whose heartbeats must not wait.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+__all__ = ["background_priority", "name_native_thread"]
+
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}  # syscall numbers; glibc has no wrapper
+
+
+def name_native_thread(name: str) -> None:
+    """Give the calling thread a kernel-visible name (Linux ``comm``, 15 bytes): ``top -H``,
+    ``ps -L``, py-spy and ``/proc/<pid>/task/*/stack`` then tell the Raft threads apart."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:  # not Linux, or /proc not mounted: names are only for diagnosis
+        pass
+
+
+def background_priority(niceness: int = 10) -> None:
+    """Lower the calling thread's CPU and disk priority (Linux: both are per thread): snapshot
+    writers yield the cores to the Raft tick thread and request handling, and their disk writes
+    (submitted by this thread's periodic fdatasync) to the journals', where the I/O scheduler
+    honours priorities (mq-deadline, bfq)."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, niceness)
+    except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
+        pass
+    _lowest_io_priority(tid)
+
+
+def _lowest_io_priority(tid: int) -> None:
+    import ctypes
+    import platform
+
+    number = _IOPRIO_SET.get(platform.machine())
+    if number is None or not sys.platform.startswith("linux"):
+        return
+    best_effort, lowest = 2, 7  # IOPRIO_CLASS_BE, level 7 (0 is highest)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall(number, 1, tid, (best_effort << 13) | lowest)  # IOPRIO_WHO_PROCESS (a thread)
+    except (OSError, AttributeError):
+        pass
