@@ -25,7 +25,8 @@ import numpy as np
 
 from kvps.batcher import PushBatcher
 from kvps.command import (
-    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Push, Set, SetRows, SnapshotStep,
+    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Hyperparams, Push, Set, SetRows,
+    SnapshotStep,
     decode_command,
 )
 from kvps import snapshot_store
@@ -613,6 +614,11 @@ class Replica:
             if done is not None:
                 await self._release((cmd.client, cmd.seq))
                 return _unwrap(done)
+            if err is not None:
+                raise err
+        elif isinstance(cmd, Hyperparams):  # validated here, on the leader, before proposing
+            with self._lock:
+                err = self._state.check_hyperparams(cmd)
             if err is not None:
                 raise err
         elif not isinstance(cmd, (CreateKey, CreateTable, DeleteKey, ClockTick, SetRows)):

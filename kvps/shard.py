@@ -22,14 +22,15 @@ import numpy as np
 from kvps.applied import AppliedTable, Result
 from kvps.clocks import ClockTable
 from kvps.command import (
-    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Push, PushId, Set, SetRows,
-    SnapshotStep,
+    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Hyperparams, Push, PushId, Set,
+    SetRows, SnapshotStep,
 )
 from kvps.delta import frame
 from kvps.errors import (
     CodecError, InvalidRequest, KeyExists, KeyNotFound, KvpsError, ShapeMismatch, Unavailable,
     VersionConflict,
 )
+from kvps.hyper import HyperTable
 from kvps.merge import PushRequest, is_finite
 from kvps.optimizer import optimizer_from_dict
 from kvps.placement import DenseLayout
@@ -165,6 +166,7 @@ class ShardState:
         self._keys: dict[str, Entry] = {}
         self._applied = AppliedTable(self.session_ttl)
         self._clocks = ClockTable()
+        self._hyper = HyperTable()  # learning-rate schedules: overrides of the keys' optimizers
         # user snapshots this shard took part in: id -> {"id", "label", "created", "time",
         # "state" (pending | sealed | complete), "keys", "digest", "size"}
         self._snapshots: dict[str, dict] = {}
@@ -213,7 +215,19 @@ class ShardState:
         raise KeyExists(f"key {cmd.key!r} exists with another definition", key=cmd.key)
 
     def _delete_key(self, cmd: DeleteKey) -> dict:
+        self._hyper.drop(cmd.key)
         return {"deleted": self._keys.pop(cmd.key, None) is not None}
+
+    def _hyperparams(self, cmd: Hyperparams) -> dict:
+        return self._hyper.update(cmd.key, self._entry(cmd.key), cmd.step, cmd.values)
+
+    def check_hyperparams(self, cmd: Hyperparams) -> KvpsError | None:
+        """The leader's pre-check (apply re-checks and returns the same error)."""
+        try:
+            self._hyper.check(cmd.key, self._entry(cmd.key), cmd.values)
+        except KvpsError as exc:
+            return exc
+        return None
 
     def _barrier(self, cmd: Barrier) -> dict:
         return {"barrier": cmd.term}
@@ -308,6 +322,7 @@ class ShardState:
                 entry.bump_versions(floor)
             keys[key] = entry
         self._keys = keys
+        self._hyper = snap._hyper  # the snapshot's entries carry its schedule overrides already
         return {"restored": cmd.snap_id, "keys": len(keys), "version_floor": floor}
 
     def _clock_tick(self, cmd: ClockTick) -> dict:
@@ -430,6 +445,8 @@ class ShardState:
             return None
         info = {"key": key, "kind": entry.kind, "dtype": entry.definition()["dtype"],
                 "optimizer": entry.optimizer_dict, "merge": entry.merge, "version": self._version(key)}
+        if self._hyper.info(key) is not None:  # schedule overrides on top of that optimizer
+            info["hyperparams"] = self._hyper.info(key)
         if isinstance(entry, DenseKey):
             return {**info, "shape": list(entry.layout.shape), "block_rows": entry.layout.block_rows,
                     "blocks": sorted(entry.blocks)}
@@ -547,6 +564,8 @@ class ShardState:
             meta["clocks"] = self._clocks.to_json()
         if self._snapshots:  # likewise
             meta["snapshots"] = self.snapshot_catalog()
+        if self._hyper.keys:  # likewise
+            meta["hyper"] = self._hyper.to_json()
         return meta, arrays
 
     @classmethod
@@ -579,6 +598,7 @@ class ShardState:
         state._clocks.load_json(m.get("clocks", []))
         for entry in m.get("snapshots", []):
             state._snapshots[str(entry["id"])] = dict(entry)
+        state._hyper.load_json(m.get("hyper", {}), state._keys)
         return state
 
     def state_hash(self) -> str:
@@ -615,4 +635,5 @@ _HANDLERS = {
     ClockTick: ShardState._clock_tick,
     SetRows: ShardState._set_rows,
     SnapshotStep: ShardState._snapshot_step,
+    Hyperparams: ShardState._hyperparams,
 }

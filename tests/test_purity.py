@@ -17,7 +17,7 @@ import pytest
 PURE = [
     "kvps.errors", "kvps.config", "kvps.placement", "kvps.optimizer", "kvps.initializer",
     "kvps.command", "kvps.shard", "kvps.table", "kvps.applied", "kvps.merge", "kvps.clocks",
-    "kvps.delta.frame", "kvps.delta.codec", "kvps.history", "kvps.assignment", "kvps.meta",
+    "kvps.delta.frame", "kvps.delta.codec", "kvps.history", "kvps.assignment", "kvps.meta", "kvps.hyper",
 ]
 FORBIDDEN = ["pysyncobj", "aiohttp", "asyncio", "socket", "random", "threading"]
 
