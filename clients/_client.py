@@ -407,6 +407,15 @@ class Client:
         pulled them cross the wire. ``consistency="follower"`` with ``min_version`` reads from any
         replica that has applied at least that version."""
         keys = [keys] if isinstance(keys, str) else list(keys)
+        await self.pull_blocks(keys, consistency=consistency, min_version=min_version)
+        return {key: self._cache[key].assemble() for key in keys}
+
+    async def pull_blocks(self, keys: Iterable[str], *, consistency: str | None = None,
+                          min_version: int | Mapping[str, int] | None = None,
+                          ) -> dict[str, tuple[DenseLayout, list[np.ndarray]]]:
+        """``pull`` without assembling: ``{key: (layout, blocks)}``, the blocks read-only arrays
+        this client keeps (a caller copying them straight into its own buffers saves a copy)."""
+        keys = list(keys)
         consistency = self._consistency(consistency)
         per_shard: dict[int, list] = {}
         layouts = {}
@@ -438,7 +447,7 @@ class Client:
                         value = apply_xor(cache.blocks[b], value)
                     cache.blocks[b] = value
                 cache.versions[b] = entry["version"]
-        return {key: self._cache[key].assemble() for key in keys}
+        return {key: (self._cache[key].layout, list(self._cache[key].blocks)) for key in keys}
 
     async def get(self, key: str, *, consistency: str | None = None) -> tuple[np.ndarray, int]:
         """(value, version): the version is the highest block version of ``key``."""
