@@ -10,6 +10,7 @@ admin endpoints (``HOST:PORT`` or URLs, comma-separated); the token comes from
 """
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -19,7 +20,16 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 
 from ._torch_store import KvpsStore
 
-__all__ = ["endpoints_of", "handler_factory", "kvps_rendezvous_handler"]
+__all__ = ["KvpsRendezvousBackend", "endpoints_of", "handler_factory", "kvps_rendezvous_handler"]
+
+
+class KvpsRendezvousBackend(C10dRendezvousBackend):
+    """torch's store-based rendezvous state, under this backend's name (torchrun checks that the
+    handler's backend is the one asked for)."""
+
+    @property
+    def name(self) -> str:
+        return "kvps"
 
 
 def endpoints_of(endpoint: str) -> list[str]:
@@ -35,7 +45,8 @@ def kvps_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
     store = KvpsStore(endpoints_of(params.endpoint), token=params.config.get("token"),
                       prefix=f"rdzv/{params.run_id}/",
                       timeout=timedelta(seconds=params.get_as_int("store_timeout", 300) or 300))
-    return create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
+    atexit.register(store.close)  # the agent never closes its rendezvous store itself
+    return create_handler(store, KvpsRendezvousBackend(store, params.run_id), params)
 
 
 def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:

@@ -42,8 +42,11 @@ def _pack(value: bytes, capacity: int) -> np.ndarray:
     """(capacity,) float64: header then ``value``'s bytes, six per element."""
     out = np.zeros(capacity, np.float64)
     out[0], out[1] = 1.0, float(len(value))
-    padded = np.zeros(-(-len(value) // _PER_ELEMENT) * 8, np.uint8).reshape(-1, 8)
-    padded[:, :_PER_ELEMENT].reshape(-1)[:len(value)] = np.frombuffer(value, np.uint8)
+    rows = -(-len(value) // _PER_ELEMENT)
+    six = np.zeros(rows * _PER_ELEMENT, np.uint8)
+    six[:len(value)] = np.frombuffer(value, np.uint8)
+    padded = np.zeros((rows, 8), np.uint8)  # little-endian words whose top two bytes are zero
+    padded[:, :_PER_ELEMENT] = six.reshape(rows, _PER_ELEMENT)
     words = padded.view("<u8").reshape(-1)
     out[_HEADER:_HEADER + len(words)] = words.astype(np.float64)
     return out

@@ -25,6 +25,7 @@ class SyncPSModule:
         self.inner = PSModule(module, client._client, **options)
         self.inner._loop = client._loop
 
+    client = property(lambda self: self._sync)
     module = property(lambda self: self.inner.module)
     keys = property(lambda self: self.inner.keys)
     clock = property(lambda self: self.inner.clock)
