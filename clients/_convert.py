@@ -71,14 +71,15 @@ def device_to_host(t: Any) -> tuple[Any, Any]:
     """Start copying CUDA tensor ``t`` into fresh pinned host memory: ``(host, event)``, the
     event (blocking) marks the end of the copy."""
     torch = _torch()
-    side = torch.cuda.Stream(t.device)  # from torch's per-device pool: no allocation
-    side.wait_stream(torch.cuda.current_stream(t.device))  # after the kernels that produce t
-    with torch.cuda.stream(side):
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-    t.record_stream(side)  # the caller may free t before the copy has run
-    event = torch.cuda.Event(blocking=True)
-    event.record(side)
+    with torch.cuda.device(t.device):  # t's context for everything below, never GPU 0's
+        side = torch.cuda.Stream(t.device)  # from torch's per-device pool: no allocation
+        side.wait_stream(torch.cuda.current_stream(t.device))  # after the kernels that produce t
+        with torch.cuda.stream(side):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+        t.record_stream(side)  # the caller may free t before the copy has run
+        event = torch.cuda.Event(blocking=True)
+        event.record(side)
     return host, event
 
 

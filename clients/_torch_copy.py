@@ -72,13 +72,14 @@ class PinnedBuffer:
         self._buf: torch.Tensor | None = None
         self._last: tuple[Any, torch.device] | None = None
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
         if self._last is not None:
             wait_event(*self._last)
             self._last = None
         if self._buf is None or self._buf.numel() < nbytes:
             size = max(nbytes, 2 * (0 if self._buf is None else self._buf.numel()), 4096)
-            self._buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            with torch.cuda.device(device):  # pinning needs a context: the device's, not GPU 0's
+                self._buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         return self._buf
 
     def used_until(self, event: Any, device: torch.device) -> None:
@@ -107,7 +108,10 @@ class Copier:
         for name, nbytes in sizes.items():
             self._regions[name] = (total, nbytes)
             total += -(-nbytes // _ALIGN) * _ALIGN
-        self._pool = torch.empty(total, dtype=torch.uint8, pin_memory=True) if self.cuda and total else None
+        self._pool = None
+        if self.cuda and total:
+            with torch.cuda.device(first):  # pinning needs a context: the module's, not GPU 0's
+                self._pool = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         self._reads: dict[torch.device, Any] = {}  # the last host-to-device copy out of the pool
 
     def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:

@@ -92,6 +92,9 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.device.type == "cuda" and len(self._held_ids):
             return self._lookup_on_device(ids)
+        if ids.device.type == "cuda" and self._sync is None:  # copying them here would block the loop
+            raise InvalidRequest("with an asyncio Client, `await emb.prefetch(ids)` before forward",
+                                 key=self.key)
         flat = np.asarray(host_values(ids.detach(), name="ids")).reshape(-1).astype(np.int64)
         missing = np.setdiff1d(flat, self._held_ids)
         if len(missing):
@@ -144,7 +147,7 @@ class Embedding(nn.Module):
         if device.type == "cpu":
             out = torch.from_numpy(host_bits.copy())
             return out.view(self.dtype) if self.dtype == torch.bfloat16 else out
-        buf = self._pinned.take(host_bits.nbytes)
+        buf = self._pinned.take(host_bits.nbytes, device)
         staged = buf[:host_bits.nbytes].view(torch.int16 if self.dtype == torch.bfloat16 else self.dtype)
         np.copyto(staged.numpy().reshape(host_bits.shape), host_bits)
         out = torch.empty(rows.shape, dtype=self.dtype, device=device)
