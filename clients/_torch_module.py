@@ -107,6 +107,7 @@ class PSModule:
         self._names = {id(p): n for n, p in self.params.items()}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._copier: Copier | None = None
+        self._created = False  # keys created, clock started
         self._hyper: asyncio.Task | None = None  # this step's schedule update, sent once
         self._inflight: list[tuple[str, concurrent.futures.Future]] = []
         self._owned_client = False  # from_env: close() closes the client too
@@ -171,7 +172,7 @@ class PSModule:
             await self.clock.leave()
         if self._copier is not None:
             await asyncio.to_thread(self._copier.close)
-            self._copier = None
+            self._copier, self._created = None, False
         if self._owned_client:
             await self.client.aclose()
 
@@ -194,12 +195,13 @@ class PSModule:
         await self._copier.run(self._copier.install, items, caller)
 
     async def _ensure_created(self, caller: dict) -> None:
-        if self._copier is not None:
+        if self._created:
             return
-        copier = Copier({n: _staging_bytes(p, n in self.tables) for n, p in self.params.items()
-                         if p.device.type == "cuda"}, self.devices())
-        self._copier = copier
-        hosts = await copier.run(self._initial_values, caller)
+        if self._copier is None:  # pinning a model's worth of memory takes a while: not on the loop
+            sizes = {n: _staging_bytes(p, n in self.tables) for n, p in self.params.items()
+                     if p.device.type == "cuda"}
+            self._copier = await asyncio.to_thread(Copier, sizes, self.devices())
+        hosts = await self._copier.run(self._initial_values, caller)
         await asyncio.gather(*(
             ensure_table(self.client, self.keys[n], hosts[n], optimizer=self._spec, merge=self.merge,
                          timeout=self.client.timeout) if n in self.tables else
@@ -207,6 +209,7 @@ class PSModule:
             for n in self.params))
         if self.clock is not None:
             await self.clock.start()
+        self._created = True
 
     def _initial_values(self, caller: dict) -> dict[str, np.ndarray]:
         """Worker thread: every parameter's current value on the host (bf16 widened)."""
@@ -338,7 +341,7 @@ class PSModule:
     def _on_grad(self, param: torch.Tensor) -> None:
         # Runs inside backward: on autograd's device thread for CUDA (whose current stream is
         # the one the gradient was accumulated on), the caller's thread for CPU.
-        if param.grad is None or self._loop is None or self._copier is None or self.scaler is not None:
+        if param.grad is None or self._loop is None or not self._created or self.scaler is not None:
             return  # push() sends it (with a scaler it must first see every gradient)
         name = self._names[id(param)]
         if any(n == name for n, _ in self._inflight):

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -14,7 +17,7 @@ import torch
 from torch import nn
 
 import kvps_client as kc
-from conftest import module_cluster
+from conftest import ROOT, module_cluster
 from kvps.delta import frame
 from kvps_client.torch import Embedding, PSModule, PSOptimizer, SyncPSModule
 
@@ -383,3 +386,16 @@ def test_pulls_copy_into_parameters_without_blocking_the_event_loop(cluster):
     # A couple of late ticks are tolerated (a loaded machine deschedules the loop now and then);
     # copies on the loop make every pull late.
     assert len(late) <= 2, f"loop ticks later than {threshold * 1000:.1f} ms: {late}"
+
+
+def test_the_readme_examples_run(cluster):
+    """examples/torch_features.py holds the README's torch examples: they must keep working."""
+    env = {**os.environ, "KVPS_TOKEN": cluster.token, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "torch_features.py"),
+                          "--endpoint", cluster.endpoints[0]], capture_output=True, text=True,
+                         env=env, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    assert sorted(lines) == ["amp", "bf16", "schedule", "sparse", "streams"]
+    assert lines["amp"].startswith("skipped 1 step(s), scale now 512")
+    assert lines["bf16"] == "parameters torch.bfloat16, kept on the server as float32"
