@@ -21,6 +21,7 @@ import torch.distributed as dist
 import kvps_client as kc
 from conftest import ROOT, module_cluster, wait_for
 from kvps.placement import block_shard
+from kvps_chaos.elastic import replicas_agree
 from kvps_client.torch import KvpsStore, StoreTimeout
 
 pytestmark = pytest.mark.cluster
@@ -151,6 +152,7 @@ def _wait_restarted(cluster, shard: int, leader: dict) -> None:
     wait_for(lambda: (cluster.replica(shard, leader["node"]) or {}).get("pid") not in (None, leader["pid"]),
              60, "the killed replica to be restarted")
     wait_for(cluster.ready, 60, "every shard to serve again")
+    wait_for(lambda: replicas_agree(cluster), 60, "every shard's replicas to hold identical state")
 
 
 def test_values_survive_a_leader_kill_and_writes_go_on(cluster):

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 import kvps_client as kc
-from conftest import ROOT, module_cluster
+from conftest import ROOT, module_cluster, wait_for
 from kvps.delta import frame
+from kvps_chaos.elastic import replicas_agree
 from kvps_client.torch import Embedding, PSModule, PSOptimizer, SyncPSModule
 
 pytestmark = pytest.mark.cluster
@@ -88,6 +89,7 @@ def test_a_scheduler_on_pm_optimizer_matches_torch_over_100_steps(cluster, name,
     # the server holds the lr of the last step (99: two StepLR decays after the warm-up)
     assert info["hyperparams"]["values"]["lr"] == pytest.approx(spec.lr * 0.5 ** 2)
     assert info["optimizer"]["lr"] == spec.lr  # the definition the key was created with
+    wait_for(lambda: replicas_agree(cluster), 30, "every shard's replicas to hold identical state")
 
 
 # ---- GradScaler ---------------------------------------------------------------------------------
