@@ -94,6 +94,7 @@ class Copier:
 
     def __init__(self, sizes: dict[str, int], devices: Iterable[torch.device]) -> None:
         devices = set(devices)
+        self.devices = frozenset(devices)
         bad = sorted(str(d) for d in devices if d.type not in ("cpu", "cuda"))
         if bad:
             raise InvalidRequest(f"parameters on {', '.join(bad)}: kvps serves CPU and CUDA tensors")

@@ -45,6 +45,12 @@ class _Leaf:
     missing: torch.Tensor | None = None   # () bool on the GPU: a GPU lookup missed
 
 
+def _on(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on ``device``, queued on the current stream: ``non_blocking``, because a
+    blocking copy to a GPU synchronizes the whole stream (torch waits for it after the copy)."""
+    return torch.from_numpy(arr).to(device, non_blocking=True)
+
+
 class Embedding(nn.Module):
     """An embedding layer whose rows live in kvps table ``key`` (created on first use).
 
@@ -105,8 +111,7 @@ class Embedding(nn.Module):
         leaf = self._leaf(self._where.device)
         pos = np.searchsorted(leaf.ids, flat)
         leaf.used[pos] = True
-        index = torch.from_numpy(pos).to(leaf.rows.device)
-        return leaf.rows[index].view(*ids.shape, self.dim)
+        return leaf.rows[_on(pos, leaf.rows.device)].view(*ids.shape, self.dim)
 
     # ---- rows held --------------------------------------------------------------------------
 
@@ -161,7 +166,7 @@ class Embedding(nn.Module):
         """GPU ids against the held rows, without leaving the GPU."""
         leaf = self._leaf(ids.device)
         if leaf.ids_dev is None:
-            leaf.ids_dev = torch.from_numpy(leaf.ids).to(ids.device)
+            leaf.ids_dev = _on(leaf.ids, ids.device)
             leaf.used_dev = torch.zeros(len(leaf.ids), dtype=torch.bool, device=ids.device)
             leaf.missing = torch.zeros((), dtype=torch.bool, device=ids.device)
         flat = ids.detach().reshape(-1).to(torch.int64)

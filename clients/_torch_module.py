@@ -195,6 +195,10 @@ class PSModule:
         await self._copier.run(self._copier.install, items, caller)
 
     async def _ensure_created(self, caller: dict) -> None:
+        if self._copier is not None and self._copier.devices != self.devices():
+            raise InvalidRequest(f"the module moved from {sorted(map(str, self._copier.devices))} to "
+                                 f"{sorted(map(str, self.devices()))} after its first pull or push: "
+                                 "wrap it once it is on its device")
         if self._created:
             return
         if self._copier is None:  # pinning a model's worth of memory takes a while: not on the loop
