@@ -407,22 +407,27 @@ class Client:
         pulled them cross the wire. ``consistency="follower"`` with ``min_version`` reads from any
         replica that has applied at least that version."""
         keys = [keys] if isinstance(keys, str) else list(keys)
-        await self.pull_blocks(keys, consistency=consistency, min_version=min_version)
-        return {key: self._cache[key].assemble() for key in keys}
+        caches = await self._pull_caches(keys, consistency, min_version)
+        return {key: caches[key].assemble() for key in keys}
 
     async def pull_blocks(self, keys: Iterable[str], *, consistency: str | None = None,
                           min_version: int | Mapping[str, int] | None = None,
                           ) -> dict[str, tuple[DenseLayout, list[np.ndarray]]]:
         """``pull`` without assembling: ``{key: (layout, blocks)}``, the blocks read-only arrays
         this client keeps (a caller copying them straight into its own buffers saves a copy)."""
-        keys = list(keys)
+        caches = await self._pull_caches(list(keys), consistency, min_version)
+        return {key: (cache.layout, list(cache.blocks)) for key, cache in caches.items()}
+
+    async def _pull_caches(self, keys: list[str], consistency: str | None,
+                           min_version: int | Mapping[str, int] | None) -> dict[str, "_DenseCache"]:
+        """Bring the caches of ``keys`` up to date. The caches are held here for the whole call:
+        a concurrent ``create`` of a key drops it from ``self._cache`` meanwhile."""
         consistency = self._consistency(consistency)
         per_shard: dict[int, list] = {}
-        layouts = {}
+        caches: dict[str, _DenseCache] = {}
         for key in keys:
             info, layout = await self._layout(key)
-            layouts[key] = layout
-            cache = self._cache.setdefault(key, _DenseCache(layout))
+            cache = caches[key] = self._cache.setdefault(key, _DenseCache(layout))
             mv = min_version.get(key, 0) if isinstance(min_version, Mapping) else (min_version or 0)
             by_shard: dict[int, list[int]] = {}
             for b in range(layout.n_blocks):
@@ -437,7 +442,7 @@ class Client:
             for shard, items in per_shard.items()])
         for resp in resps:
             for entry in resp.meta["blocks"]:
-                cache, b = self._cache[entry["key"]], entry["block"]
+                cache, b = caches[entry["key"]], entry["block"]
                 if entry["array"] is not None:
                     value = resp.arrays[entry["array"]]
                     if entry.get("base") is not None:  # exact delta onto the version we hold
@@ -447,12 +452,12 @@ class Client:
                         value = apply_xor(cache.blocks[b], value)
                     cache.blocks[b] = value
                 cache.versions[b] = entry["version"]
-        return {key: (self._cache[key].layout, list(self._cache[key].blocks)) for key in keys}
+        return caches
 
     async def get(self, key: str, *, consistency: str | None = None) -> tuple[np.ndarray, int]:
         """(value, version): the version is the highest block version of ``key``."""
-        value = (await self.pull([key], consistency=consistency))[key]
-        return value, max(self._cache[key].versions)
+        cache = (await self._pull_caches([key], consistency, None))[key]
+        return cache.assemble(), max(cache.versions)
 
     async def set(self, key: str, value: Any, *, expected_version: int | None = None) -> int:
         """Overwrite ``key``. With ``expected_version``, each block is only written if it is at that

@@ -334,3 +334,39 @@ def test_lossy_residual_counts_only_once_the_push_is_acknowledged():
 
     kept, after = asyncio.run(main())
     np.testing.assert_array_equal(after, kept)  # the refused push left the residual as it was
+
+
+def test_a_pull_in_flight_survives_a_concurrent_create_of_its_key():
+    """create() drops the key's cached blocks; a pull waiting for its reply meanwhile used to look
+    its cache up again afterwards and fail with a KeyError (seen with KvpsStore's threads)."""
+    release, pulling = asyncio.Event(), asyncio.Event()
+
+    async def handler(method, url, body, headers):
+        if url.endswith("/v1/cluster"):
+            return 200, json.dumps(CLUSTER).encode()
+        base, op = url.split("/v1/rpc/")
+        if base != URLS[2]:
+            err = NotLeader("not me", leader_hint=URLS[2])
+            return err.http_status, json.dumps(err.to_dict()).encode()
+        if op == "describe":
+            return 200, frame.encode(frame.KIND_RESPONSE, {"info": INFO})
+        if op == "create_key":
+            return 200, frame.encode(frame.KIND_RESPONSE, {"created": False})
+        if op == "pull":
+            pulling.set()
+            await release.wait()  # the reply comes after the create
+            meta = {"blocks": [{"key": "w", "block": 0, "version": 3, "array": 0}]}
+            return 200, frame.encode(frame.KIND_RESPONSE, meta, [np.arange(4, dtype=np.float32)])
+        raise AssertionError(op)
+
+    async def main():
+        async with make(handler) as ps:
+            async def create_then_release():
+                await pulling.wait()  # the pull is waiting for its reply
+                await ps.create("w", np.zeros(4, np.float32))
+                release.set()
+            got, _ = await asyncio.gather(ps.get("w"), create_then_release())
+            return got
+
+    value, version = asyncio.run(main())
+    assert value.tolist() == [0.0, 1.0, 2.0, 3.0] and version == 3
