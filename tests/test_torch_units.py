@@ -137,3 +137,23 @@ def test_embedding_in_asyncio_mode_refuses_ids_it_does_not_hold():
     emb = _embedding_holding([1])
     with pytest.raises(kc.InvalidRequest, match="prefetch"):
         emb(torch.tensor([1, 2]))
+
+
+OWN_MODULES = ["kvps_client.torch", "kvps_client._torch_copy", "kvps_client._torch_embedding",
+               "kvps_client._torch_env", "kvps_client._torch_module", "kvps_client._torch_optim",
+               "kvps_client._torch_rdzv", "kvps_client._torch_sparse", "kvps_client._torch_store",
+               "kvps_client._torch_sync", "kvps_client._convert", "kvps_client._lossy",
+               "kvps_client._hyper", "kvps.hyper", "kvps.command"]
+
+
+@pytest.mark.parametrize("name", OWN_MODULES)
+def test_exported_names_are_sorted_and_complete(name):
+    """Every public class and function a module defines is in its sorted ``__all__``."""
+    import importlib
+    import inspect
+    module = importlib.import_module(name)
+    assert module.__all__ == sorted(module.__all__)
+    defined = {n for n, obj in vars(module).items() if not n.startswith("_")
+               and (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ == module.__name__}
+    assert defined <= set(module.__all__), sorted(defined - set(module.__all__))
+    assert all(hasattr(module, n) for n in module.__all__)
