@@ -96,9 +96,7 @@ class PSModule:
         self.keys = {n: prefix + n for n in self.params}
         self.embeddings = [m for m in module.modules() if isinstance(m, Embedding)]
         spec = optimizer or Add()
-        self.optimizer = PSOptimizer(list(self.params.values()), spec,
-                                     {id(p): self.keys[n] for n, p in self.params.items()}) \
-            if self.params else None
+        self._optimizer: PSOptimizer | None = None
         self.clock = None if max_staleness is None else StepClock(
             client, job or prefix or "kvps", worker or client.client_id, max_staleness=max_staleness,
             lease_s=lease_s, workers=workers)
@@ -111,6 +109,8 @@ class PSModule:
         self._hyper: asyncio.Task | None = None  # this step's schedule update, sent once
         self._inflight: list[tuple[str, concurrent.futures.Future]] = []
         self._owned_client = False  # from_env: close() closes the client too
+        if scaler is not None:
+            self.optimizer  # noqa: B018 - GradScaler.step needs it at every push
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for p in self.params.values()] if overlap else []
 
@@ -133,6 +133,16 @@ class PSModule:
             raise
         pm._owned_client = True
         return pm
+
+    @property
+    def optimizer(self) -> PSOptimizer | None:
+        """The ``torch.optim.Optimizer`` for schedulers and GradScaler (None without parameters).
+        Made on first use: torch's optimizers import torch._dynamo, seconds that a loop without
+        a scheduler or scaler need not pay."""
+        if self._optimizer is None and self.params:
+            self._optimizer = PSOptimizer(list(self.params.values()), self._spec,
+                                          {id(p): self.keys[n] for n, p in self.params.items()})
+        return self._optimizer
 
     def devices(self) -> set[torch.device]:
         return {p.device for p in self.params.values()} | {e._where.device for e in self.embeddings}
@@ -260,7 +270,7 @@ class PSModule:
         for inf/NaN, call ``optimizer.step()`` only if finite) and ``update``; without a scaler,
         ``optimizer.step()`` (it only approves: the update runs on the server). The kvps
         Embedding rows of this step join the scaler's check as a temporary parameter group."""
-        opt = self.optimizer
+        opt = self._optimizer  # not made here: without one, nothing watches the step
         if opt is None:
             return True
         opt.approved = False
@@ -334,11 +344,12 @@ class PSModule:
         await self._hyper
 
     async def _send_schedule(self) -> None:
-        changes = self.optimizer.changes() if self.optimizer is not None else []
+        opt = self._optimizer
+        changes = opt.changes() if opt is not None else []
         await asyncio.gather(*(self.client.set_hyperparams(key, values, step=self.steps)
                                for keys, values in changes for key in keys))
         if changes:
-            self.optimizer.mark_sent()
+            opt.mark_sent()
 
     # ---- internals: overlap hooks ---------------------------------------------------------------
 
