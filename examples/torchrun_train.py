@@ -72,7 +72,7 @@ def main() -> None:
     pm.pull()  # after every worker's last push (synchronous steps)
     same = same_everywhere(model)
     dist.barrier()
-    print(json.dumps({"rank": env.rank, "world_size": env.world_size, "loss": loss.item(),
+    print(json.dumps({"rank": env.rank, "world_size": env.world_size, "loss": loss.detach().item(),
                       "same_params": same, "steps": int(ps.pull(counter)[counter][0])}), flush=True)
     pm.close()
     dist.destroy_process_group()
