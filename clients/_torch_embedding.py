@@ -24,7 +24,7 @@ from torch import nn
 from kvps.errors import InvalidRequest
 
 from ._client import Client
-from ._convert import device_to_host, host_values
+from ._convert import device_to_host, host_values, to_host
 from ._lossy import bf16_round
 from ._sync import SyncClient
 from ._torch_copy import PinnedBuffer, current_streams, host_array, wait_event
@@ -43,6 +43,12 @@ class _Leaf:
     ids_dev: torch.Tensor | None = None   # (n,) on the GPU, for GPU lookups
     used_dev: torch.Tensor | None = None  # (n,) bool on the GPU
     missing: torch.Tensor | None = None   # () bool on the GPU: a GPU lookup missed
+
+
+def _unique(hosts: list) -> np.ndarray:
+    """Sorted unique int64 ids of host arrays, tensors or lists."""
+    flat = [np.asarray(h).reshape(-1) for h in hosts]
+    return np.unique(np.concatenate(flat or [np.empty(0)]).astype(np.int64))
 
 
 def _on(arr: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -82,10 +88,15 @@ class Embedding(nn.Module):
     # ---- public ---------------------------------------------------------------------------------
 
     def prefetch(self, *ids: Any) -> Any:
-        """Pull the rows of every ``ids`` (tensors, arrays or lists) for the next forward passes."""
-        hosts = [np.asarray(host_values(i, name="ids")) for i in ids]  # in the caller's thread
-        flat = np.concatenate([h.reshape(-1) for h in hosts] or [np.empty(0)]).astype(np.int64)
-        return self._run(self._hold(np.unique(flat)))
+        """Pull the rows of every ``ids`` (tensors, arrays or lists) for the next forward passes
+        (a coroutine with an asyncio ``Client``)."""
+        if self._sync is None:
+            return self._aprefetch(ids)
+        hosts = [host_values(i, name="ids") for i in ids]  # GPU ids copied in the caller's thread
+        return self._sync._run(self._hold(_unique(hosts)))
+
+    async def _aprefetch(self, ids: tuple) -> None:
+        await self._hold(_unique([await to_host(i, name="ids") for i in ids]))  # loop never waits
 
     def push(self) -> Any:
         """Push the row gradients of the forward passes since the last push; the highest row
