@@ -42,7 +42,7 @@ import numpy as np
 
 import kvps_client as kc
 from kvps.config import FSYNC_POLICIES, RaftConfig
-from kvps.local import LocalCluster
+from kvps.node.local import LocalCluster
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -29,7 +29,7 @@ import numpy as np
 
 import kvps_client as kc
 from kvps.delta import frame
-from kvps.local import LocalCluster, wait_until
+from kvps.node.local import LocalCluster, wait_until
 
 MiB = 1 << 20
 TRAIN_KEYS = 8

@@ -23,8 +23,8 @@ import numpy as np
 
 import kvps_client as kc
 from kvps.delta import frame
-from kvps.history import xor_delta
-from kvps.local import LocalCluster
+from kvps.delta.xor import xor_delta
+from kvps.node.local import LocalCluster
 
 MiB = 1 << 20
 

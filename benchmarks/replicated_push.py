@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 import kvps_client as kc
-from kvps.local import LocalCluster, wait_until
+from kvps.node.local import LocalCluster, wait_until
 
 MiB = 1 << 20
 

@@ -35,7 +35,7 @@ import numpy as np
 
 import kvps_client as kc
 from kvps.config import ServerConfig
-from kvps.local import LocalCluster
+from kvps.node.local import LocalCluster
 
 MiB = 1 << 20
 KEY_BYTES = 64 * MiB

@@ -16,8 +16,8 @@ from typing import Any
 
 from kvps.config import RaftConfig, ServerConfig
 from kvps.delta import frame
-from kvps.local import LocalCluster
-from kvps.process import spawn, stop_process
+from kvps.node.local import LocalCluster
+from kvps.node.process import spawn, stop_process
 
 from kvps_chaos.netns import PROXY_PORT, Topology
 from kvps_chaos.proxy import set_delay
@@ -73,7 +73,7 @@ class ChaosCluster(LocalCluster):
             self.proxies[n.id] = spawn(self.topology.exec_args(n.id, args), log)
             peers = [p.host for p in self.cfg.nodes if p.id != n.id]
             self.topology.redirect_raft(n.id, peers, self.raft_ports())
-        from kvps.local import wait_until
+        from kvps.node.local import wait_until
         wait_until(lambda: all(Path(self.proxy_control(n.id)).exists() for n in self.cfg.nodes),
                    30, "the delay proxies to listen")
 
@@ -104,8 +104,8 @@ class ChaosCluster(LocalCluster):
         in namespace mode, the node's namespace and address. The same call again after
         ``release_node`` restarts that node (a repeated join gets the same id back). A joined node gets no delay proxy:
         the membership fault runs alone, so no delay fault ever targets it."""
-        from kvps.local import free_port_base, ports_free, wait_until
-        from kvps.process import python_module_args
+        from kvps.node.local import free_port_base, ports_free, wait_until
+        from kvps.node.process import python_module_args
         if node_id in self.joined:
             raise RuntimeError(f"node {node_id} was already started by this harness")
         count = 2 * self.cfg.shards + 2

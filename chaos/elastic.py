@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvps.delta import frame
-from kvps.local import LocalCluster, wait_until
+from kvps.node.local import LocalCluster, wait_until
 
 __all__ = ["GrowShrink", "grow_and_shrink", "loads", "meta", "print_logs", "replicas_agree", "settled"]
 
@@ -172,7 +172,7 @@ async def grow_and_shrink(cluster: Any, *, seed: int, joins: int = 2, drain: lis
     import numpy as np
 
     import kvps_client as kc
-    from kvps.process import python_module_args
+    from kvps.node.process import python_module_args
     res = GrowShrink(seed, [n.id for n in cluster.cfg.nodes])
     every = res.initial
     started = time.monotonic()

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvps.local import wait_until
+from kvps.node.local import wait_until
 
 from kvps_chaos import elastic
 from kvps_chaos.cluster import ChaosCluster

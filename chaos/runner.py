@@ -18,8 +18,8 @@ from typing import Any
 
 from kvps.config import RaftConfig, ServerConfig
 from kvps.errors import KvpsError
-from kvps.local import wait_until
-from kvps.process import spawn, stop_process
+from kvps.node.local import wait_until
+from kvps.node.process import spawn, stop_process
 
 from kvps_chaos import checks, netns, training
 from kvps_chaos.cluster import ChaosCluster

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvps.delta import frame
-from kvps.history import apply_xor
+from kvps.delta.xor import apply_xor
 from kvps.errors import (
     CodecError, InvalidRequest, KeyNotFound, KvpsError, NotLeader, RetryableError, ShapeMismatch, Timeout,
     Unavailable, error_from_dict,

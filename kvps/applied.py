@@ -3,7 +3,7 @@
 ``{client: Session(floor, results: {seq: result}, seen)}``. A push id found here is a duplicate
 and gets its stored result; one below its client's ``floor`` was applied long ago and gets
 ``PushExpired``. ``floor`` only grows (the client promises it no longer waits for anything below),
-results are capped per client, and sessions idle longer than ``ttl`` — by the leader-stamped time
+results are capped per client, and sessions idle longer than ``ttl`` — by the cluster time
 carried in the commands, never a local clock — are forgotten. Part of the replicated state: it is
 in every snapshot, in a deterministic order.
 """

@@ -282,7 +282,7 @@ class RowDelta(_Base):
 
 @dataclass(frozen=True, eq=False)
 class Push(_Base):
-    """Merged gradients of one or more client pushes; ``now`` is the leader's wall time."""
+    """Merged gradients of one or more client pushes; ``now`` is the leader's cluster time (kvps.clocks)."""
 
     now: float
     pushes: tuple[PushId, ...]

@@ -167,6 +167,9 @@ class ShardState:
         self._applied = AppliedTable(self.session_ttl)
         self._clocks = ClockTable()
         self._hyper = HyperTable()  # learning-rate schedules: overrides of the keys' optimizers
+        # cluster time: the largest time stamped into a command applied so far (kvps.clocks); the
+        # time sessions and leases are judged by, never moving back
+        self.time = 0.0
         # user snapshots this shard took part in: id -> {"id", "label", "created", "time",
         # "state" (pending | sealed | complete), "keys", "digest", "size"}
         self._snapshots: dict[str, dict] = {}
@@ -326,7 +329,8 @@ class ShardState:
         return {"restored": cmd.snap_id, "keys": len(keys), "version_floor": floor}
 
     def _clock_tick(self, cmd: ClockTick) -> dict:
-        return {"clocks": self._clocks.tick(cmd.now, cmd.job, cmd.worker, cmd.step, cmd.lease_s)}
+        return {"clocks": self._clocks.tick(self._advance(cmd.now), cmd.job, cmd.worker, cmd.step,
+                                            cmd.lease_s)}
 
     def _push(self, cmd: Push) -> dict:
         if self.dedup:
@@ -352,9 +356,10 @@ class ShardState:
         for p in cmd.pushes:
             results[(p.client, p.seq)] = {"versions": {k: self._version(k) for k in p.keys},
                                           **({"digest": p.digest} if p.digest else {})}
+        now = self._advance(cmd.now)
         if self.dedup:
             self._applied.record([(p.client, p.seq, p.floor, results[(p.client, p.seq)])
-                                  for p in cmd.pushes], cmd.now)
+                                  for p in cmd.pushes], now)
         return {"results": results}
 
     def _push_errors(self, cmd: Push) -> dict[str, KvpsError]:
@@ -421,9 +426,16 @@ class ShardState:
             new[b] = Block(_frozen(np.array(arr, copy=True)), old.version + 1, old.step, old.state)
         entry.blocks.update(new)
         result = {"versions": {cmd.key: entry.version()}}
+        now = self._advance(cmd.now)
         if self.dedup:
-            self._applied.record([(cmd.client, cmd.seq, cmd.floor, result)], cmd.now)
+            self._applied.record([(cmd.client, cmd.seq, cmd.floor, result)], now)
         return result
+
+    def _advance(self, stamp: float) -> float:
+        """A command stamped ``stamp`` has changed the state: the cluster time it happened at. A
+        leader's stamp behind an earlier leader's does not move time back (kvps.clocks)."""
+        self.time = max(self.time, stamp)
+        return self.time
 
     def _version(self, key: str) -> int:
         entry = self._keys[key]
@@ -560,6 +572,8 @@ class ShardState:
         arrays.append(np.frombuffer(sessions.encode("utf-8"), dtype=np.uint8))
         meta = {"format": SNAPSHOT_FORMAT, "shard": self.shard, "session_ttl": self.session_ttl,
                 "dedup": self.dedup, "keys": metas}
+        if self.time:  # only once stamped: older snapshots keep their bytes
+            meta["time"] = self.time
         if self._clocks.jobs:  # only when present: snapshots without clocks keep their old bytes
             meta["clocks"] = self._clocks.to_json()
         if self._snapshots:  # likewise
@@ -596,6 +610,7 @@ class ShardState:
             raise ValueError("snapshot carries unnamed arrays")
         state._applied.load_json(json.loads(arrays[-1].tobytes().decode("utf-8")))
         state._clocks.load_json(m.get("clocks", []))
+        state.time = float(m.get("time", 0.0))  # older snapshots: the next stamp sets it
         for entry in m.get("snapshots", []):
             state._snapshots[str(entry["id"])] = dict(entry)
         state._hyper.load_json(m.get("hyper", {}), state._keys)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvps.config import RaftConfig, ServerConfig
-from kvps.local import LocalCluster, wait_until
+from kvps.node.local import LocalCluster, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,11 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvps_client as kc
 from conftest import module_cluster
-from kvps.auth import TokenStore
+from kvps.service.auth import TokenStore
 from kvps.config import ServerConfig
-from kvps.dataplane import HANDLERS, OPEN_ROUTES, make_app
+from kvps.replica.dataplane import HANDLERS, OPEN_ROUTES, make_app
 from kvps.delta import frame
-from kvps.local import wait_until
+from kvps.node.local import wait_until
 from kvps.placement import block_shard
 
 pytestmark = pytest.mark.cluster
@@ -164,7 +164,7 @@ def test_every_data_route_refuses_a_missing_or_wrong_token(cluster, token):
 def test_node_admin_routes_are_read_only(cluster):
     """Mutating admin routes must demand a token. This list makes a new route a deliberate
     decision (and a reason to extend the token check below)."""
-    from kvps.node import Node
+    from kvps.node.node import Node
     node = Node(cluster.cfg, 0, cluster.config_path, cluster.data_dir / "node-0", cluster.token)
     routes = {(r.method, r.resource.canonical) for r in node.make_app().router.routes()
               if r.method != "HEAD"}
@@ -373,8 +373,8 @@ def test_tls_for_client_and_admin_traffic(tmp_path, cluster_factory):
 def test_openapi_document_matches_the_routers_and_live_responses(cluster):
     import jsonschema
 
-    from kvps.node import Node
-    from kvps.openapi import ADMIN_PATHS, DATA_PATHS
+    from kvps.node.node import Node
+    from kvps.node.openapi import ADMIN_PATHS, DATA_PATHS
 
     status, body = get(cluster.endpoints[0] + "/v1/openapi.json")
     doc = json.loads(body)

@@ -6,7 +6,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from kvps.batcher import PushBatcher
+from kvps.replica.batcher import PushBatcher
 from kvps.command import decode_command
 from kvps.config import ServerConfig
 from kvps.errors import NoQuorum, Overloaded

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvps.local import wait_until
-from kvps.process import stop_process
+from kvps.node.local import wait_until
+from kvps.node.process import stop_process
 from kvps_chaos import netns
 from kvps_chaos.proxy import set_delay
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvps.cli import format_status
+from kvps.cli.status import format_status
 
 pytestmark = pytest.mark.cluster
 

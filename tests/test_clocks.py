@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kvps_client as kc
-from kvps.clocks import ClockTable
+from kvps.clocks import ClockTable, ClusterTime
 from kvps.command import ClockTick, CreateKey, decode_command
 from kvps.errors import CodecError, InvalidRequest
 from kvps.merge import PushRequest, merge
@@ -105,7 +105,26 @@ def test_shard_apply_and_read_clocks():
     assert s.snapshot() != before  # the clocks are part of the replicated state
     assert isinstance(s.apply(ClockTick.__new__(ClockTick)), InvalidRequest)  # never raises
     s.apply(ClockTick(11.0, "j", "a", 2, 0.0))
-    assert s.snapshot() == before  # no clocks: the snapshot bytes of a state without them
+    from kvps.delta import frame
+    meta = frame.decode(s.snapshot()).meta
+    assert "clocks" not in meta and meta["time"] == 11.0  # no clocks left; the time stays
+    assert frame.decode(before).meta.keys() == meta.keys() - {"time"}
+    s.apply(ClockTick(3.0, "j", "b", 1, 5.0))  # a stamp from behind: time does not go back
+    assert s.time == 11.0 and s.clocks("j", 15.9) == {"b": 1} and s.clocks("j", 16.0) == {}
+
+
+def test_cluster_time_follows_applied_stamps_and_monotonic_time_never_a_wall_clock():
+    mono = [100.0]
+    t = ClusterTime(lambda: mono[0])
+    assert t.now() == 0.0
+    mono[0] += 2.5
+    assert t.now() == 2.5  # a new shard's time is the time since its replica started
+    t.applied(1000.0)  # an entry stamped by a leader whose time is far ahead of ours
+    assert t.now() == 1000.0
+    mono[0] += 1.0
+    assert t.now() == 1001.0
+    t.applied(1000.5)  # our own stamp, applied a commit later: the estimate does not go back
+    assert t.now() == 1001.0
 
 
 def test_corrupt_clocks_in_a_snapshot_are_codec_errors():

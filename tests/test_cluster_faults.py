@@ -15,7 +15,7 @@ import pytest
 import kvps_client as kc
 from kvps.config import ServerConfig
 from kvps.delta import frame
-from kvps.local import wait_until
+from kvps.node.local import wait_until
 from kvps.placement import block_shard
 from kvps.raft import recovery
 

@@ -19,7 +19,7 @@ from torch import nn
 
 import kvps_client as kc
 from conftest import module_cluster
-from kvps.local import wait_until
+from kvps.node.local import wait_until
 from kvps.placement import block_shard
 from kvps_client.torch import PSModule
 

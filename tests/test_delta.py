@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from kvps.delta import frame
-from kvps.history import BlockHistory, apply_xor, xor_delta
+from kvps.delta.xor import apply_xor, xor_delta
+from kvps.replica.history import BlockHistory
 from kvps_client._lossy import LossyEncoder, bf16_round, bf16_widen
 from kvps_client._rows import RowCache
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvps import demo
+from kvps.demo import run as demo
 
 pytestmark = pytest.mark.cluster
 

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import dump_logs, wait_for
 from kvps.config import RaftConfig, ServerConfig
-from kvps.process import python_module_args
+from kvps.node.process import python_module_args
 from kvps_chaos.cluster import ChaosCluster
 from kvps_chaos.elastic import GrowShrink, grow_and_shrink, meta, print_logs, replicas_agree, settled
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import kvps_client as kc
-from kvps.local import wait_until
-from kvps.process import spawn, stop_process
+from kvps.node.local import wait_until
+from kvps.node.process import spawn, stop_process
 from kvps_chaos import training
 
 pytestmark = pytest.mark.cluster

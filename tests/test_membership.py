@@ -165,7 +165,7 @@ def test_meta_snapshot_round_trips_byte_identically():
 
 
 def test_status_shows_node_states_and_rebalancing_progress():
-    from kvps.cli import format_status
+    from kvps.cli.status import format_status
     cmap = {"nodes": [{"id": 0, "reachable": True, "state": "active"},
                       {"id": 1, "reachable": True, "state": "draining"},
                       {"id": 2, "reachable": False, "state": "removed"}],
@@ -183,7 +183,7 @@ def test_status_shows_node_states_and_rebalancing_progress():
 import asyncio  # noqa: E402
 import copy  # noqa: E402
 
-from kvps.rebalance import MoveReport, Rebalancer  # noqa: E402
+from kvps.node.rebalance import MoveReport, Rebalancer  # noqa: E402
 
 
 class _Meta:

@@ -681,6 +681,64 @@ def test_a_replica_that_lost_its_data_withholds_its_vote_until_it_has_caught_up(
         c.stop_all()
 
 
+def _damage_record_of(journal: Path, needle: bytes) -> None:
+    """Flip one byte inside the command of the journal record that holds ``needle`` (the format:
+    a 16-byte header, then records '<IIQQ' + command, kvps.raft.journal)."""
+    data = bytearray(journal.read_bytes())
+    offset = 16
+    while offset < len(data):
+        _, length, _, _ = struct.unpack_from("<IIQQ", data, offset)
+        command = offset + 24
+        if needle in data[command:command + length]:
+            data[command + length - 1] ^= 0xFF
+            journal.write_bytes(bytes(data))
+            return
+        offset = command + length
+    raise AssertionError(f"no record holds {needle!r}")
+
+
+def test_a_replica_whose_journal_is_damaged_mid_file_recovers_before_it_votes(tmp_path):
+    """The issue's reproduction: entries committed by the leader and one follower; the follower's
+    journal is damaged in the middle (a record before the last fails its checksum), so it keeps
+    only the entries before the damage. If it then voted as an ordinary voter, the lagging third
+    member would win with its vote while the leader is down, and the acknowledged entries would be
+    overwritten. It recovers instead: no vote until the leader with the entries is back."""
+    c = Cluster(tmp_path)
+    try:
+        c.start_all()
+        c.propose(b"before")
+        c.wait_converged()
+        lead = c.leader().selfNode.address
+        lagging, damaged = [a for a in c.addresses if a != lead]
+        c.stop(lagging)
+        acked = [f"acked-{i}".encode() for i in range(5)]
+        for data in acked:  # committed by the leader and the follower whose journal is damaged
+            c.propose(data)
+        wait_for(lambda: c.machines[damaged].sequence()[-1:] == acked[-1:], 20, "the follower's copy")
+        c.stop(damaged)
+        damaged_dir = tmp_path / damaged.replace(":", "_")
+        _damage_record_of(damaged_dir / "raft.journal", b"acked-1")
+        c.stop(lead)
+        c.start(lagging)
+        c.start(damaged)
+        status = c.groups[damaged].status()
+        assert status["recovering"] and "damaged record" in status["recovering_reason"]
+        assert (damaged_dir / recovery.MARKER).exists()
+        assert list(damaged_dir.glob("raft.journal.damaged-*"))
+        wait_for(lambda: c.groups[damaged].status()["votes_withheld"] >= 3, 30, "three withheld votes")
+        assert not any(g.is_leader() for g in c.groups.values())
+
+        c.start(lead)  # from its journal, with the acknowledged entries
+        c.propose(b"after")
+        assert c.wait_converged() == [b"before", *acked, b"after"]
+        assert "candidate" not in c.roles[damaged] and "leader" not in c.roles[damaged]
+        wait_for(lambda: not c.groups[damaged].recovering, 20, "the damaged replica to recover")
+        assert not (damaged_dir / recovery.MARKER).exists()
+        assert c.groups[damaged].status()["recovering_reason"] is None
+    finally:
+        c.stop_all()
+
+
 def test_the_raft_threads_carry_kernel_visible_names(cluster):
     """top -H, py-spy and /proc/<pid>/task/*/stack tell the tick thread and the journal's
     threads apart (diagnosing a stalled tick thread needs it)."""

@@ -134,9 +134,12 @@ def test_torn_tail_at_every_byte_of_the_last_record(tmp_path, caplog):
         torn.parent.mkdir()
         torn.write_bytes(whole[:cut])
         caplog.clear()
+        damage: list[str] = []
         with caplog.at_level(logging.WARNING, logger="kvps.raft"):
-            j = open_journal(torn)
+            j = open_journal(torn, on_damage=damage.append)
         assert entries(j) == added[:2], cut
+        assert damage == [], cut  # a crash's footprint: the replica goes on voting
+        assert not list(torn.parent.glob("*.damaged-*"))
         assert os.path.getsize(torn) == last  # truncated to the last good record
         if cut > last:
             assert f"dropped {cut - last} bytes" in caplog.text
@@ -145,26 +148,54 @@ def test_torn_tail_at_every_byte_of_the_last_record(tmp_path, caplog):
         assert entries(open_journal(torn)) == added
 
 
-def test_crc_corruption_in_the_middle_stops_there(tmp_path, caplog):
+def test_damage_in_the_middle_keeps_the_records_before_it_and_is_reported(tmp_path, caplog):
+    """A complete record failing its checksum with records after it is damage, not a torn tail:
+    the entries after it may have been acknowledged, so the group must learn it (it then
+    recovers before it votes) before anything is dropped, and the dropped bytes are kept."""
     path = tmp_path / "raft.journal"
     j = open_journal(path)
     added = fill(j, 5)
     offsets = list(j._offsets)
     j._destroy()
+    whole = path.read_bytes()
     for where in (offsets[2] + RECORD + 10,  # a command byte
-                  offsets[2] + 8,  # the index (covered by the CRC)
-                  offsets[2]):  # the CRC itself
-        data = bytearray(path.read_bytes())
+                  offsets[2] + 8,  # the index (covered by the checksum)
+                  offsets[2]):  # the checksum itself
+        data = bytearray(whole)
         data[where] ^= 0x40
         bad = tmp_path / f"bad-{where}" / "raft.journal"
         bad.parent.mkdir()
         bad.write_bytes(bytes(data))
+        damage: list[str] = []
+
+        def on_damage(what: str) -> None:  # called before the file is cut
+            assert os.path.getsize(bad) == len(whole)
+            damage.append(what)
         with caplog.at_level(logging.WARNING, logger="kvps.raft"):
-            j = open_journal(bad)
+            j = open_journal(bad, on_damage=on_damage)
         assert entries(j) == added[:2]
         assert os.path.getsize(bad) == offsets[2]
+        assert len(damage) == 1 and f"offset {offsets[2]}" in damage[0]
+        kept, = bad.parent.glob("raft.journal.damaged-*")
+        assert kept.read_bytes() == bytes(data[offsets[2]:])
         j._destroy()
-    assert "CRC mismatch" in caplog.text
+    assert "checksum mismatch" in caplog.text
+
+
+def test_a_damaged_last_record_is_a_torn_tail(tmp_path):
+    """The file's last record failing its checksum is what a crash mid-append leaves (its pages
+    written out of order): truncated, not reported as damage."""
+    path = tmp_path / "raft.journal"
+    j = open_journal(path)
+    added = fill(j, 3)
+    last = j._offsets[-1]
+    j._destroy()
+    data = bytearray(path.read_bytes())
+    data[last + RECORD + 5] ^= 0x01
+    path.write_bytes(bytes(data))
+    damage: list[str] = []
+    assert entries(open_journal(path, on_damage=damage.append)) == added[:2]
+    assert damage == []
 
 
 def test_a_record_that_does_not_continue_the_log_ends_it(tmp_path):
@@ -173,7 +204,9 @@ def test_a_record_that_does_not_continue_the_log_ends_it(tmp_path):
     added = fill(j, 2)
     j.add(b"gap", 10, 1)  # pysyncobj never does this: what was read must be a log
     j._destroy()
-    assert entries(open_journal(path)) == added
+    damage: list[str] = []
+    assert entries(open_journal(path, on_damage=damage.append)) == added
+    assert len(damage) == 1 and "does not follow" in damage[0]  # no crash writes a whole record wrong
 
 
 def test_wrong_magic_and_version_are_refused(tmp_path):
@@ -910,7 +943,7 @@ def test_a_group_restarted_in_a_compaction_crash_window_keeps_its_entries(tmp_pa
 
 
 def test_kvps_up_takes_fsync():
-    from kvps.cli import build_parser
+    from kvps.cli.main import build_parser
 
     assert build_parser().parse_args(["up", "--fsync", "always"]).fsync == "always"
     assert build_parser().parse_args(["up"]).fsync == RaftConfig.fsync

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvps.command import CreateKey, CreateTable, DeleteKey, Hyperparams, Set, SnapshotStep
 from kvps.delta import frame
-from kvps.snapshot_store import digest_of
+from kvps.replica.snapshot_store import digest_of
 from kvps.errors import InvalidRequest, KeyExists, KeyNotFound, PushExpired, Unavailable, VersionConflict
 from kvps.initializer import Constant, Normal, Zeros, initializer_to_dict
 from kvps.merge import PushRequest, merge

@@ -24,7 +24,7 @@ from conftest import ROOT, module_cluster, wait_for
 
 import kvps_client as kc
 from kvps.config import RaftConfig, ServerConfig
-from kvps.snapshot_cli import snapshot_state_dict
+from kvps.cli.snapshot import snapshot_state_dict
 
 pytestmark = pytest.mark.cluster
 

@@ -99,7 +99,7 @@ def _probe_key(shard: int, shards: int) -> str:
 
 
 def _wait(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    from kvps.local import wait_until
+    from kvps.node.local import wait_until
     wait_until(predicate, timeout, what, period=0.05)
 
 

@@ -28,8 +28,8 @@ import numpy as np
 
 from kvps.bench.harness import StepWindow, Window, worker_loop
 from kvps.bench.workload import LR, Model
-from kvps.local import free_port_base
-from kvps.process import spawn, stop_process
+from kvps.node.local import free_port_base
+from kvps.node.process import spawn, stop_process
 
 __all__ = ["RedisGroup", "ensure_redis_server", "redis_missing_reason", "redis_worker"]
 

@@ -71,7 +71,7 @@ def run_suite(plan: Plan, sections: tuple[str, ...], systems: tuple[str, ...],
 
 def _b1_rpc(plan: Plan) -> dict:
     from kvps.bench.rpc_peer import rpc_worker, start_rpc_server
-    from kvps.local import free_port_base
+    from kvps.node.local import free_port_base
 
     port = free_port_base(1)
     server = start_rpc_server(port, plan.workers, plan.model)
@@ -120,7 +120,7 @@ def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, results:
     from kvps.bench.pulls import pulls
     from kvps.bench.workload import create_model, kvps_worker
     from kvps.config import RaftConfig
-    from kvps.local import LocalCluster
+    from kvps.node.local import LocalCluster
 
     with tempfile.TemporaryDirectory(prefix="kvps-bench-") as tmp, \
             LocalCluster(Path(tmp), nodes=plan.nodes, shards=plan.shards,

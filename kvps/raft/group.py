@@ -187,7 +187,8 @@ class ShardGroup(SyncObj):
             on_peer_gone=self._failover.on_peer_gone if raft.fast_failover else None)
         self._transport_stats = transport.stats
         with using_journal(journal_dir / "raft.journal", fsync=raft.fsync,  # ours, not FileJournal
-                           fsync_interval=raft.fsync_interval, first_index=first_index):
+                           fsync_interval=raft.fsync_interval, first_index=first_index,
+                           on_damage=self._recover_from_damage):  # before the tick thread starts
             super().__init__(self_address, [p for p in peers if p != self_address], conf,
                              transportClass=transport)
         self.addOnTickCallback(self._note_tick_thread)
@@ -210,7 +211,7 @@ class ShardGroup(SyncObj):
     # -- recovery of lost state (kvps.raft.recovery) ------------------------------------------
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # noqa: N802
-        if self._recovery.withholds(message):
+        if self._recovery.withholds(message, self._SyncObj__raftCurrentTerm):
             return
         if not _last_install_chunk(message):
             SyncObj._SyncObj__onMessageReceived(self, node, message)
@@ -235,6 +236,13 @@ class ShardGroup(SyncObj):
         if self._recovery.active:
             return _NEVER  # no election of its own while recovering
         return SyncObj._SyncObj__generateRaftTimeout(self)
+
+    def _recover_from_damage(self, reason: str) -> None:
+        """The journal found damage while ``SyncObj.__init__`` opened it: recover from here on. That
+        ``__init__`` drew the first election deadline before it opened the journal, so hold it too
+        (a recovering replica that stood for election would win with the lagging member's vote)."""
+        self._recovery.enter(reason)
+        self._SyncObj__raftElectionDeadline = monotonic() + _NEVER
 
     def _check_recovered(self) -> None:
         if self._recovery.check(self):
@@ -350,6 +358,7 @@ class ShardGroup(SyncObj):
             "tick_stalls": dict(self.tick_stalls),
             "fast_failovers": self._failover.scheduled,  # elections scheduled: the leader was gone
             "recovering": self._recovery.active,  # lost data replaced: no vote until caught up
+            "recovering_reason": self._recovery.reason,
             "votes_withheld": self._recovery.votes_withheld,
             # caught up once with a leader's commit index, and a leader is known now
             "ready": bool(self.isReady()) and leader is not None,

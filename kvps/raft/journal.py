@@ -28,9 +28,22 @@ Layout (little-endian)::
 
 Opening reads every record and stops at the first one that is torn (shorter than its length says),
 fails its CRC, or does not continue the log (index not previous + 1, or term going down); the file
-is truncated there with a warning naming how many bytes were dropped. A torn tail after a crash
-is expected: only the last append can be incomplete. A wrong magic or version, or a meta file
-that fails its checks, is a ``CodecError``: the vote and term cannot be guessed safely.
+is truncated there with a warning naming how many bytes were dropped. Two cases differ:
+
+* a **torn tail**: the file ends inside that record, or it is the file's last record. Expected
+  after a crash: only the last append can be incomplete, and an append is acknowledged only once
+  written (what ``fsync`` adds is said below). Truncated, and the replica carries on as a voter.
+* **damage**: a complete record that fails its checksum or breaks the sequence with more bytes
+  after it. That is not a crash's footprint but a bad disk, a stray write or a bug, and the
+  entries after it may have been acknowledged: this replica may have helped commit them and now
+  lacks them. Voting at once could elect a member that lacks them too (a lagging one) and lose
+  them. So before anything is truncated the journal calls ``on_damage`` (``ShardGroup`` marks the
+  replica *recovering*, durably: no vote until it has caught up, ``kvps.raft.recovery``), keeps
+  the records before the damage, and saves the bytes it drops beside the journal
+  (``raft.journal.damaged-<time>``) for the operator.
+
+A wrong magic or version, or a meta file that fails its checks, is a ``CodecError``: the vote and
+term cannot be guessed safely.
 
 Then records with an index below ``first_index`` (the snapshot's previous entry, which the caller
 read from the dump file) are dropped: they are what a compaction's rewrite had not yet removed
@@ -169,13 +182,15 @@ class RaftJournal(Journal):
 
     def __init__(self, path: str | Path, *, fsync: str = "interval", fsync_interval: float = 0.05,
                  first_index: int = 0,
-                 on_io_error: Callable[[OSError, str], None] = _exit_on_io_error) -> None:
+                 on_io_error: Callable[[OSError, str], None] = _exit_on_io_error,
+                 on_damage: Callable[[str], None] | None = None) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {FSYNC_POLICIES}, not {fsync!r}")
         self._path = Path(path)
         self._meta_path = Path(f"{path}.meta")
         self._policy = fsync
         self._on_io_error = on_io_error
+        self._on_damage = on_damage
         self._entries: list[Entry] = []  # pysyncobj indexes and slices this through __getitem__
         self._offsets: list[int] = []  # position of each entry's record
         self._end = _HEADER.size  # position after the last record
@@ -533,8 +548,10 @@ class RaftJournal(Journal):
             self._create_empty()
         fd = os.open(self._path, os.O_RDWR)
         try:
-            end, reason = self._read_records()
+            end, reason, damaged = self._read_records()
             size = os.fstat(fd).st_size
+            if damaged:
+                self._damaged(fd, end, size, reason)
             if end < size:
                 logger.warning("raft journal %s: dropped %d bytes after its last good record at "
                                "offset %d (%s; %d entries kept)", self._path, size - end, end,
@@ -556,6 +573,28 @@ class RaftJournal(Journal):
         self._cut = self._offsets[0] if self._offsets else end
         return fd
 
+    def _damaged(self, fd: int, end: int, size: int, reason: str) -> None:
+        """Damage, not a torn tail (see the module docstring): report it before anything is
+        dropped, so a crash from here on restarts the replica as recovering, and keep the bytes
+        that are about to be dropped."""
+        last = self._entries[-1][1] if self._entries else None
+        what = (f"raft journal {self._path}: damaged record at offset {end} ({reason}) with "
+                f"{size - end} bytes after it; keeping the {len(self._entries)} entries before it "
+                f"(last index {last})")
+        logger.error("%s; this replica recovers from its peers before it votes again", what)
+        if self._on_damage is not None:
+            self._on_damage(what)
+        kept = self._path.with_name(f"{self._path.name}.damaged-{time.time_ns()}")
+        out = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _copy_range(fd, out, end, size - end, 0)
+            if self._policy != "never":
+                _fsync(out)
+        finally:
+            os.close(out)
+        logger.warning("raft journal %s: the %d dropped bytes are kept in %s", self._path,
+                       size - end, kept)
+
     def _create_empty(self) -> None:
         tmp = Path(f"{self._path}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -569,9 +608,9 @@ class RaftJournal(Journal):
         if self._policy != "never":
             _fsync_dir(self._path.parent)
 
-    def _read_records(self) -> tuple[int, str]:
+    def _read_records(self) -> tuple[int, str, bool]:
         """Fill ``_entries``/``_offsets`` from the file; (end of the last good record, why the
-        rest, if any, is not good)."""
+        rest, if any, is not good, whether that is damage rather than a torn tail)."""
         with open(self._path, "rb", buffering=1 << 20) as f:
             head = f.read(_HEADER.size)
             magic, version = (_HEADER.unpack(head)[:2] if len(head) == _HEADER.size else (head, 0))
@@ -590,22 +629,23 @@ class RaftJournal(Journal):
             while offset < size:
                 head = f.read(_RECORD.size)
                 if len(head) < _RECORD.size:
-                    return offset, "torn record header"
+                    return offset, "torn record header", False
                 crc, length, index, term = _RECORD.unpack(head)
                 if length > size - offset - _RECORD.size:
-                    return offset, f"record of {length} bytes runs past the end of the file"
+                    return offset, f"record of {length} bytes runs past the end of the file", False
                 command = f.read(length)
+                last_record = offset + _RECORD.size + length == size
                 if _record_sum(version, head[_CRC.size:], command) != crc:
-                    return offset, f"CRC mismatch in the record of entry {index}"
+                    return offset, f"checksum mismatch in the record of entry {index}", not last_record
                 if self._entries:
                     _, last_index, last_term = self._entries[-1]
                     if index != last_index + 1 or term < last_term:
                         return offset, (f"entry ({index}, term {term}) does not follow "
-                                        f"({last_index}, term {last_term})")
+                                        f"({last_index}, term {last_term})"), True
                 self._entries.append((command, index, term))
                 self._offsets.append(offset)
                 offset += _RECORD.size + length
-            return offset, ""
+            return offset, "", False
 
     def _write_meta(self) -> None:
         """Overwrite the meta file's next slot (kvps.raft.meta_file); under ``always`` also
@@ -726,18 +766,19 @@ def _create_journal(journalFile: str | None = None) -> Journal:
 
 @contextmanager
 def using_journal(path: str | Path, *, fsync: str, fsync_interval: float,
-                  first_index: int = 0) -> Iterator[None]:
+                  first_index: int = 0,
+                  on_damage: Callable[[str], None] | None = None) -> Iterator[None]:
     """While inside, a ``SyncObj`` constructed with ``journalFile=path`` gets a ``RaftJournal``
     with this policy, dropping records below ``first_index`` (the index of the dump file's
-    previous entry, 0 without one: see the module docstring). Raises ``RuntimeError`` if the
-    block ends without pysyncobj asking for it."""
+    previous entry, 0 without one: see the module docstring) and calling ``on_damage`` if it
+    finds damage. Raises ``RuntimeError`` if the block ends without pysyncobj asking for it."""
     pysyncobj.syncobj.createJournal = _create_journal
     key = os.path.abspath(path)
     with _registry_lock:
         if key in _registry:
             raise RuntimeError(f"raft journal {key} is already being opened")
         _registry[key] = {"fsync": fsync, "fsync_interval": fsync_interval,
-                          "first_index": first_index}
+                          "first_index": first_index, "on_damage": on_damage}
     try:
         yield
     finally:

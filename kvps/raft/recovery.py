@@ -16,10 +16,21 @@ While that file exists, ``ShardGroup``:
 * starts no election of its own (its election timer is held; a leader's ``timeout_now`` still
   starts one, and the leader sends that only to a member that acknowledged its whole log);
 
-and deletes the file once its commit index points at an entry of the current term. Only the
-current leader appends entries of its term, and that leader's log holds every committed entry
-(Leader Completeness), so this replica's log, which matches the leader's up to that entry (Log
-Matching), now holds them too: its vote is safe again.
+and deletes the file once its commit index (a) points at an entry of the current term and (b) has
+reached the commit index the leader of that term announced in its first message to this replica
+since it started. (a): only the current leader appends entries of its term, and that leader's log
+holds every committed entry (Leader Completeness), so this replica's log, which matches the
+leader's up to that entry (Log Matching), holds every entry committed in earlier terms. (b) covers
+the entries of the current term itself: when the same leader still leads, entries this replica
+acknowledged in its term before it lost them are past (a)'s entry; every one of them committed
+with this replica's help was committed before the replica came back, so it lies at or below what
+that leader announced then. Its vote is safe again.
+
+A damaged journal (a complete record failing its checksum in the middle, ``kvps.raft.journal``)
+is the same situation with part of the log kept: the entries after the damage may have been
+acknowledged with this replica's help. The journal reports it while it opens, before it drops
+anything, and ``Recovery.enter`` writes the same marker, so the replica keeps what precedes the
+damage and votes again once caught up.
 
 The price: while the file exists the shard needs both other members to elect a leader; if the
 leader dies before the replica has caught up, the shard waits for it to come back instead of
@@ -44,12 +55,16 @@ MARKER = "raft.recovering"
 logger = logging.getLogger("kvps.raft")
 
 
-def mark(journal_dir: Path) -> None:
-    """Mark ``journal_dir`` as a replica's lost and replaced data (durably, before it starts)."""
+LOST = "its Raft state was lost"
+
+
+def mark(journal_dir: Path, reason: str = LOST) -> None:
+    """Mark ``journal_dir`` as a replica's lost and replaced data (durably, before it starts);
+    ``reason`` (one line) is kept in the marker and shown in status."""
     journal_dir.mkdir(parents=True, exist_ok=True)
     path = journal_dir / MARKER
     with open(path, "wb") as f:
-        f.write(b"this replica lost its Raft state: it votes again once it has caught up\n")
+        f.write(f"{' '.join(reason.split())}\nit votes again once it has caught up\n".encode())
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(journal_dir)
@@ -88,23 +103,45 @@ class Recovery:
     def __init__(self, journal_dir: Path) -> None:
         self._path = Path(journal_dir) / MARKER
         self.active = self._path.exists()
+        self.reason = _reason(self._path) if self.active else None
         self.votes_withheld = 0  # vote requests dropped while recovering
+        # (term, commit index) announced by the first leader message of the newest term heard
+        # since this replica started: (b) in the module docstring
+        self._heard: tuple[int, int] | None = None
 
-    def withholds(self, message: Any) -> bool:
-        """True for a vote request that must go unanswered."""
-        if self.active and isinstance(message, dict) and message.get("type") == "request_vote":
+    def enter(self, reason: str) -> None:
+        """Start recovering now (a damaged journal, found while it opens): durably marked first."""
+        mark(self._path.parent, reason)
+        self.active = True
+        self.reason = reason
+
+    def withholds(self, message: Any, current_term: int) -> bool:
+        """True for a vote request that must go unanswered; notes what a leader announces."""
+        if not self.active or not isinstance(message, dict):
+            return False
+        kind = message.get("type")
+        if kind == "request_vote":
             self.votes_withheld += 1
             return True
+        if kind == "append_entries":
+            term, commit = message.get("term"), message.get("commit_index")
+            if isinstance(term, int) and isinstance(commit, int) and term >= current_term \
+                    and (self._heard is None or term > self._heard[0]):
+                self._heard = (term, commit)
         return False
 
     def check(self, group: Any) -> bool:
-        """End recovery if ``group``'s commit index points at an entry of its current term; True
-        when it ended now. Uses pysyncobj internals pinned by tests/test_raft_pin.py."""
-        if not self.active:
+        """End recovery once caught up (the module docstring's (a) and (b)); True when it ended
+        now. Uses pysyncobj internals pinned by tests/test_raft_pin.py."""
+        if not self.active or self._heard is None:
             return False
         term = group._SyncObj__raftCurrentTerm
-        entries = group._SyncObj__getEntries(group._SyncObj__raftCommitIndex, 1)
+        commit = group._SyncObj__raftCommitIndex
+        entries = group._SyncObj__getEntries(commit, 1)
         if term <= 0 or not entries or entries[0][2] != term:
+            return False
+        heard_term, announced = self._heard
+        if heard_term != term or commit < announced:
             return False
         try:
             self._path.unlink()
@@ -114,7 +151,17 @@ class Recovery:
         except OSError as exc:  # it votes now; after a restart it recovers again (safe, slower)
             logger.error("raft: could not delete %s: %s", self._path, exc)
         self.active = False
+        self.reason = None
         logger.warning("raft: caught up with the leader of term %d (commit index %d): this replica "
                        "votes again (%d vote requests withheld while recovering)",
                        term, group._SyncObj__raftCommitIndex, self.votes_withheld)
         return True
+
+
+def _reason(path: Path) -> str:
+    """The first line of a marker (older markers hold a sentence about lost state)."""
+    try:
+        first = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return LOST
+    return first[0] if first and not first[0].startswith("this replica lost") else LOST

@@ -26,12 +26,12 @@ from aiohttp import web
 from kvps.assignment import Assignment
 from kvps.config import ClusterConfig, NodeConfig
 from kvps.errors import InvalidRequest, KvpsError, Unauthorized
-from kvps.meta_service import NodeMembership
-from kvps.metrics import CONTENT_TYPE, NodeMetrics, merge_expositions
-from kvps.openapi import document
-from kvps.process import python_module_args, spawn, stop_process
+from kvps.node.meta_service import NodeMembership
+from kvps.replica.metrics import CONTENT_TYPE, NodeMetrics, merge_expositions
+from kvps.node.openapi import document
+from kvps.node.process import python_module_args, spawn, stop_process
 from kvps.raft import recovery
-from kvps.snapshot_api import SnapshotService
+from kvps.node.snapshot_api import SnapshotService
 
 __all__ = ["Node"]
 
@@ -264,6 +264,7 @@ class Node:
                 "leader": st.get("leader"), "serving": st.get("serving", False),
                 "commit_index": st.get("commit_index"), "applied_index": st.get("applied_index"),
                 "log_entries": st.get("log_entries"), "recovering": st.get("recovering", False),
+                "recovering_reason": st.get("recovering_reason"),
             })
         return {"node": self.node_id, "admin_url": self.cfg.node(self.node_id).admin_url,
                 "replicas": replicas}

@@ -142,7 +142,7 @@ class NodeMembership:
     def _start_meta(self, *, join: bool) -> None:
         import asyncio
 
-        from kvps.rebalance import MetaMover, MetaStore, Mover, Rebalancer, _Http
+        from kvps.node.rebalance import MetaMover, MetaStore, Mover, Rebalancer, _Http
         self.meta = MetaService(self.node.cfg, self.node.node_id, self.meta_ids, self.node.data_dir,
                                 self.secret(), join=join)
         http = _Http(self.node._session, self.node.token)

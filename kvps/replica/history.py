@@ -1,8 +1,7 @@
 """Recent versions of dense blocks, kept by each replica so pulls can send exact deltas.
 
-A client that holds block version ``v`` gets ``current XOR v`` (bit patterns, as unsigned ints)
-instead of the block: after an optimizer step most high-order bytes are unchanged, so the XOR
-compresses (shuffle + lz4) where the raw weights do not, and reconstruction is bit-exact. Blocks
+A client that holds block version ``v`` gets ``current XOR v`` (``kvps.delta.xor``) instead of the
+block. Blocks
 are immutable arrays in the shard state, so the history holds references, not copies; it is
 bounded per block (``depth``) and in total bytes (oldest entries go first). Not replicated: it
 is a cache of the replica's own past states; a miss just means a full block.
@@ -13,24 +12,7 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
-__all__ = ["BlockHistory", "xor_delta", "apply_xor"]
-
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def xor_delta(new: np.ndarray, old: np.ndarray) -> np.ndarray:
-    """Bitwise XOR of two same-shape, same-dtype arrays. The result carries bit patterns in the
-    arrays' own dtype (frames move bytes untouched, so any pattern, NaNs included, survives)."""
-    u = _UINT[new.dtype.itemsize]
-    return np.bitwise_xor(np.ascontiguousarray(new).view(u),
-                          np.ascontiguousarray(old).view(u)).view(new.dtype)
-
-
-def apply_xor(old: np.ndarray, delta: np.ndarray) -> np.ndarray:
-    """``old`` advanced by ``delta`` (the inverse of :func:`xor_delta`), bit-exact."""
-    u = _UINT[old.dtype.itemsize]
-    return np.bitwise_xor(np.ascontiguousarray(old).view(u), delta.view(u)).view(old.dtype)
-
+__all__ = ["BlockHistory"]
 
 class BlockHistory:
     def __init__(self, *, depth: int = 4, max_bytes: int = 256 << 20) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from kvps.errors import InvalidRequest, KvpsError
-from kvps.snapshots import SnapshotCoordinator, parse_time
+from kvps.node.snapshots import SnapshotCoordinator, parse_time
 
 __all__ = ["SnapshotService"]
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvps.config import ClusterConfig, NodeConfig, RaftConfig, ServerConfig, dump_cluster
 from kvps.errors import Unavailable
-from kvps.process import python_module_args, spawn, stop_process
+from kvps.node.process import python_module_args, spawn, stop_process
 
 __all__ = ["LocalCluster", "free_port_base", "ports_free", "wait_until"]
 

@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
 def snapshot_state_dict(args: argparse.Namespace, snap_id: str) -> dict[str, np.ndarray]:
     """Every key of snapshot ``snap_id`` as arrays (the layout of ``Client.state_dict``)."""
-    from kvps import snapshot_store
+    from kvps.replica import snapshot_store
     from kvps.placement import DenseLayout
     from kvps.shard import DenseKey, ShardState
 

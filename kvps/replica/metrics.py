@@ -46,6 +46,9 @@ class ReplicaMetrics:
         self.applied_index = Gauge("kvps_applied_index", "Raft applied index", labels, registry=r)
         self.lag_entries = Gauge("kvps_replication_lag_entries", "Entries a follower is behind (leader's view)",
                                  (*labels, "peer"), registry=r)
+        self.recovering = Gauge("kvps_recovering", "1 while this replica withholds its vote until it "
+                                "has caught up (its data was lost or its journal damaged)",
+                                labels, registry=r)
         self.in_flight_bytes = Gauge("kvps_in_flight_bytes", "Push bytes accepted but not yet committed",
                                      labels, registry=r)
 

@@ -19,7 +19,7 @@ from kvps.raft import membership
 
 if TYPE_CHECKING:
     from kvps.delta.frame import Frame
-    from kvps.replica import Replica
+    from kvps.replica.replica import Replica
 
 __all__ = ["membership_rpc"]
 

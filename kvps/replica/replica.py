@@ -23,21 +23,22 @@ from typing import Any
 
 import numpy as np
 
-from kvps.batcher import PushBatcher
+from kvps.replica.batcher import PushBatcher
+from kvps.clocks import ClusterTime
 from kvps.command import (
     Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Hyperparams, Push, Set, SetRows,
     SnapshotStep,
     decode_command,
 )
-from kvps import snapshot_store
+from kvps.replica import snapshot_store
 from kvps.config import ClusterConfig
 from kvps.delta import frame
 from kvps.errors import (
     CodecError, InvalidRequest, KeyNotFound, KvpsError, NotLeader, Unavailable,
 )
-from kvps.history import BlockHistory
+from kvps.replica.history import BlockHistory
 from kvps.merge import PushRequest, comparable_digests, is_finite, request_bytes
-from kvps.metrics import ReplicaMetrics
+from kvps.replica.metrics import ReplicaMetrics
 from kvps.raft import bridge, snapshot_file
 from kvps.raft import membership as raft_membership
 from kvps.raft.group import ShardGroup, background_priority
@@ -68,6 +69,8 @@ class Replica:
         self._joining = joining
         self._lock = threading.Lock()
         self._state = self._new_state()
+        # the time this replica stamps into commands as leader and judges leases by (kvps.clocks)
+        self.cluster_time = ClusterTime(time.monotonic)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._applied = asyncio.Event()  # pulsed after every apply (follower reads wait on it)
         self._serving_term = -1  # term whose barrier this replica has applied as leader
@@ -117,7 +120,7 @@ class Replica:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._batcher = PushBatcher(self._propose, self.merge_mode, self.cfg.server,
-                                    on_batch=self._count_batch)
+                                    clock=self.cluster_time.now, on_batch=self._count_batch)
         peers = self._peers if self._peers is not None else [
             self.cfg.node(n).raft_address(self.shard)
             for n in self.cfg.replica_nodes(self.shard) if n != self.node_id]
@@ -157,6 +160,7 @@ class Replica:
         else:
             with self._lock:
                 result = self._state.apply(cmd)
+                self.cluster_time.applied(self._state.time)
                 self._remember_blocks(cmd)
                 if self._hold is not None and isinstance(cmd, (Push, Set)):
                     self._hold["ids"].update(_push_ids(cmd))
@@ -442,6 +446,7 @@ class Replica:
         state = ShardState.restore(data)
         with self._lock:
             self._state = state
+        self.cluster_time.applied(state.time)
 
     def _on_role_change(self, role: str) -> None:
         if self._loop is not None:
@@ -693,9 +698,9 @@ class Replica:
             return self._state.read_rows(key, ids)
 
     def clocks(self, job: str) -> dict[str, int]:
-        """Live worker clocks of ``job``; leases are judged by this replica's wall clock."""
+        """Live worker clocks of ``job``; leases are judged by this replica's cluster time."""
         with self._lock:
-            return self._state.clocks(job, time.time())
+            return self._state.clocks(job, self.cluster_time.now())
 
     def describe(self, key: str) -> dict:
         with self._lock:
@@ -724,7 +729,8 @@ class Replica:
             "log_entries": st["log_entries"], "compactions": st.get("compactions"),
             "tick_stalls": st.get("tick_stalls"),
             # its lost data was replaced: no vote until it has caught up (kvps.raft.recovery)
-            "recovering": st["recovering"], "votes_withheld": st["votes_withheld"],
+            "recovering": st["recovering"], "recovering_reason": st["recovering_reason"],
+            "votes_withheld": st["votes_withheld"],
             "in_flight_bytes": self._batcher.accepted_bytes if self._batcher else 0,
             "counters": dict(self.counters),
             "peers": self.peer_lag() if st["role"] == "leader" else {},
@@ -755,6 +761,7 @@ class Replica:
         m.child(m.is_leader).set(1 if st["role"] == "leader" and self._serving_term == st["term"] else 0)
         m.child(m.commit_index).set(st["commit_index"])
         m.child(m.applied_index).set(st["applied_index"])
+        m.child(m.recovering).set(1 if st["recovering"] else 0)
         m.child(m.in_flight_bytes).set(self._batcher.accepted_bytes if self._batcher else 0)
         if st["role"] == "leader":
             for addr, p in self.peer_lag().items():

@@ -26,8 +26,9 @@ REPLICA_VIEW = {
         "raft": _str, "data_url": _str, "term": _opt_int, "leader": _opt_int,
         "serving": _bool, "commit_index": _opt_int, "applied_index": _opt_int,
         "log_entries": _opt_int,
-        "recovering": {**_bool, "description": "its lost data was replaced: it withholds its "
-                       "Raft vote until it has caught up with the leader"},
+        "recovering": {**_bool, "description": "its lost data was replaced, or its journal was "
+                       "damaged: it withholds its Raft vote until it has caught up with the leader"},
+        "recovering_reason": {**_opt_str, "description": "why it is recovering (null when not)"},
     },
 }
 SHARD_VIEW = {

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvps.digits import (
+from kvps.demo.digits import (
     COUNTER, PREFIX, Data, TrainConfig, accuracy, baseline, load, make_model, train_worker,
 )
-from kvps.local import LocalCluster, wait_until
+from kvps.node.local import LocalCluster, wait_until
 
 __all__ = ["main"]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -18,18 +17,18 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from kvps.auth import TokenStore
+from kvps.service.auth import TokenStore
 from kvps.command import (
     SNAPSHOT_ID, ClockTick, CreateKey, CreateTable, DeleteKey, Hyperparams, Set, SetRows, SnapshotStep,
 )
 from kvps.delta import frame
 from kvps.errors import InvalidRequest, KeyNotFound, KvpsError, RequestTooLarge, Timeout
-from kvps.history import xor_delta
-from kvps.membership import membership_rpc
+from kvps.delta.xor import xor_delta
+from kvps.replica.membership import membership_rpc
 from kvps.merge import PushRequest, content_digest
 from kvps.placement import DenseLayout
-from kvps.metrics import CONTENT_TYPE
-from kvps.replica import Replica
+from kvps.replica.metrics import CONTENT_TYPE
+from kvps.replica.replica import Replica
 
 __all__ = ["OPEN_ROUTES", "make_app", "request_id_of"]
 
@@ -367,7 +366,7 @@ async def _delete_key(replica: Replica, req: frame.Frame):
 async def _set(replica: Replica, req: frame.Frame):
     client, seq, floor = _client_ids(req.meta)
     expected = _field(req.meta, "expected_version", (int, type(None)), None)
-    cmd = Set(now=time.time(), client=client, seq=seq, floor=floor, key=_key(req.meta),
+    cmd = Set(now=replica.cluster_time.now(), client=client, seq=seq, floor=floor, key=_key(req.meta),
               blocks=_blocks(req), expected_version=expected)
     result = await replica.write(cmd)
     return {"versions": result["versions"]}, ()
@@ -375,7 +374,7 @@ async def _set(replica: Replica, req: frame.Frame):
 
 async def _clock_tick(replica: Replica, req: frame.Frame):
     m = req.meta
-    cmd = ClockTick(now=time.time(), job=_field(m, "job", str), worker=_field(m, "worker", str),
+    cmd = ClockTick(now=replica.cluster_time.now(), job=_field(m, "job", str), worker=_field(m, "worker", str),
                     step=_field(m, "step", int), lease_s=_field(m, "lease_s", (int, float)))
     return await replica.write(cmd), ()
 

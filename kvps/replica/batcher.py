@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -35,7 +34,7 @@ class PushBatcher:
         merge_mode: Callable[[str], str],
         cfg: ServerConfig,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float],  # the cluster time (kvps.clocks.ClusterTime.now)
         on_batch: Callable[[int, int], None] | None = None,
     ) -> None:
         self._propose = propose

@@ -69,7 +69,7 @@ def _retrying(call, what: str, wait: float):
 
 
 def join(args: argparse.Namespace) -> int:
-    from kvps.cli import _run_node
+    from kvps.node.main import run_node
     if not args.token:
         raise KvpsError("the cluster token is needed: --token or $KVPS_TOKEN")
     body = {"host": args.host, "admin_port": args.port, "port_base": args.port + 1}
@@ -91,7 +91,7 @@ def join(args: argparse.Namespace) -> int:
         path.write_text(text + "\n")
     print(f"joined as node {node_id}: admin API http://{args.host}:{args.port}, data in {data_dir}",
           flush=True)
-    asyncio.run(_run_node(data_dir / "cluster.toml", node_id))
+    asyncio.run(run_node(data_dir / "cluster.toml", node_id))
     return 0
 
 

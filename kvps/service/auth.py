@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvps.errors import Unauthorized
 
-__all__ = ["TokenStore", "parse_bearer"]
+__all__ = ["TokenStore", "parse_bearer", "read_tokens"]
 
 log = logging.getLogger("kvps.auth")
 
@@ -61,3 +61,8 @@ def parse_bearer(authorization: str | None) -> bytes:
     if scheme.lower() != "bearer" or not given.strip():
         raise Unauthorized("missing bearer token")
     return given.strip().encode()
+
+
+def read_tokens(path: Path) -> list[str]:
+    """The tokens in a token file, in order (the first is the one a process sends itself)."""
+    return [line.strip() for line in path.read_text().splitlines() if line.strip()]

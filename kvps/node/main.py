@@ -1,0 +1,21 @@
+"""The node process's body: one ``Node`` from the cluster config, until SIGINT or SIGTERM."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvps.config import load_cluster
+from kvps.node.node import Node
+from kvps.service.auth import read_tokens
+from kvps.service.lifecycle import stop_event
+from kvps.service.tls import client_context, server_context
+
+__all__ = ["run_node"]
+
+
+async def run_node(config: Path, node_id: int) -> None:
+    cfg = load_cluster(config)
+    base = config.parent
+    token = read_tokens(base / cfg.token_file)[0]
+    node = Node(cfg, node_id, config, base / cfg.node(node_id).data_dir, token,
+                server_ssl=server_context(cfg, base), client_ssl=client_context(cfg, base))
+    await node.run(stop_event())
