@@ -34,7 +34,8 @@ from kvps.initializer import Zeros, initializer_to_dict
 from kvps.optimizer import Add, optimizer_to_dict
 from kvps.placement import DenseLayout, block_shard, layout_for, row_shards
 
-from ._convert import to_numpy
+from ._convert import to_host, to_numpy
+from ._hyper import set_hyperparams
 from ._lossy import LossyEncoder
 from ._rows import RowCache
 from ._routing import ClusterMap
@@ -278,7 +279,7 @@ class Client:
                      block_bytes: int | None = None) -> None:
         """Create dense ``key`` with an initial value. Creating it again with the same definition
         is a no-op (the stored value is kept); a different definition raises ``KeyExists``."""
-        arr = np.ascontiguousarray(to_numpy(value, name=key))
+        arr = np.ascontiguousarray(to_numpy(await to_host(value, name=key), name=key))
         layout = layout_for(arr.shape, arr.dtype.name, block_bytes or self.cluster_map.block_bytes)
         definition = {"key": key, "shape": list(arr.shape), "dtype": arr.dtype.name,
                       "block_rows": layout.block_rows, "merge": merge,
@@ -347,6 +348,7 @@ class Client:
 
     async def push(self, grads: Mapping[str, Any]) -> dict[str, int]:
         """Push gradients; returns {key: version after this push}. Exactly-once across retries."""
+        grads = await to_host(grads)  # CUDA tensors: copied without blocking the event loop
         per_shard: dict[int, list] = {}
         for key, value in grads.items():
             arr = to_numpy(value, name=key)
@@ -354,18 +356,29 @@ class Client:
             _check_shape(key, arr, tuple(info["shape"]), info["dtype"])
             for shard, blocks in self._split_blocks(key, layout, arr).items():
                 per_shard.setdefault(shard, []).extend((key, b, part) for b, part in blocks)
-        requests = []
+        requests, pending = [], []
         for shard, items in per_shard.items():
             for chunk in _chunks(items, self.cluster_map.max_push_bytes, lambda it: it[2].nbytes):
                 entries, arrays = [], []
                 for key, block, part in chunk:
-                    fields, parts = ({}, [part]) if self._lossy is None else self._lossy.encode(key, block, part)
+                    fields, parts = {}, [part]
+                    if self._lossy is not None:
+                        fields, parts, residual = self._lossy.encode(key, block, part)
+                        pending.append(residual)
                     entries.append({"key": key, "block": block, **fields, "array": len(arrays)})
                     if len(parts) == 2:  # top-k: values, then their flat indices
                         entries[-1]["idx"] = len(arrays) + 1
                     arrays += parts
                 requests.append((shard, {"dense": entries}, arrays))
-        return await self._push_requests(requests)
+        if self._lossy is None:
+            return await self._push_requests(requests)
+        try:  # error feedback: a residual counts once its push is acknowledged
+            versions = await self._push_requests(requests)
+        except BaseException:
+            self._lossy.abandon(pending)
+            raise
+        self._lossy.commit(pending)
+        return versions
 
     async def _push_requests(self, requests: list[tuple[int, dict, list]]) -> dict[str, int]:
         seqs = [self._next_seq() for _ in requests]
@@ -394,13 +407,27 @@ class Client:
         pulled them cross the wire. ``consistency="follower"`` with ``min_version`` reads from any
         replica that has applied at least that version."""
         keys = [keys] if isinstance(keys, str) else list(keys)
+        caches = await self._pull_caches(keys, consistency, min_version)
+        return {key: caches[key].assemble() for key in keys}
+
+    async def pull_blocks(self, keys: Iterable[str], *, consistency: str | None = None,
+                          min_version: int | Mapping[str, int] | None = None,
+                          ) -> dict[str, tuple[DenseLayout, list[np.ndarray]]]:
+        """``pull`` without assembling: ``{key: (layout, blocks)}``, the blocks read-only arrays
+        this client keeps (a caller copying them straight into its own buffers saves a copy)."""
+        caches = await self._pull_caches(list(keys), consistency, min_version)
+        return {key: (cache.layout, list(cache.blocks)) for key, cache in caches.items()}
+
+    async def _pull_caches(self, keys: list[str], consistency: str | None,
+                           min_version: int | Mapping[str, int] | None) -> dict[str, "_DenseCache"]:
+        """Bring the caches of ``keys`` up to date. The caches are held here for the whole call:
+        a concurrent ``create`` of a key drops it from ``self._cache`` meanwhile."""
         consistency = self._consistency(consistency)
         per_shard: dict[int, list] = {}
-        layouts = {}
+        caches: dict[str, _DenseCache] = {}
         for key in keys:
             info, layout = await self._layout(key)
-            layouts[key] = layout
-            cache = self._cache.setdefault(key, _DenseCache(layout))
+            cache = caches[key] = self._cache.setdefault(key, _DenseCache(layout))
             mv = min_version.get(key, 0) if isinstance(min_version, Mapping) else (min_version or 0)
             by_shard: dict[int, list[int]] = {}
             for b in range(layout.n_blocks):
@@ -415,7 +442,7 @@ class Client:
             for shard, items in per_shard.items()])
         for resp in resps:
             for entry in resp.meta["blocks"]:
-                cache, b = self._cache[entry["key"]], entry["block"]
+                cache, b = caches[entry["key"]], entry["block"]
                 if entry["array"] is not None:
                     value = resp.arrays[entry["array"]]
                     if entry.get("base") is not None:  # exact delta onto the version we hold
@@ -425,17 +452,17 @@ class Client:
                         value = apply_xor(cache.blocks[b], value)
                     cache.blocks[b] = value
                 cache.versions[b] = entry["version"]
-        return {key: self._cache[key].assemble() for key in keys}
+        return caches
 
     async def get(self, key: str, *, consistency: str | None = None) -> tuple[np.ndarray, int]:
         """(value, version): the version is the highest block version of ``key``."""
-        value = (await self.pull([key], consistency=consistency))[key]
-        return value, max(self._cache[key].versions)
+        cache = (await self._pull_caches([key], consistency, None))[key]
+        return cache.assemble(), max(cache.versions)
 
     async def set(self, key: str, value: Any, *, expected_version: int | None = None) -> int:
         """Overwrite ``key``. With ``expected_version``, each block is only written if it is at that
         version (compare-and-set; atomic per block, so use single-block keys for registers)."""
-        arr = np.ascontiguousarray(to_numpy(value, name=key))
+        arr = np.ascontiguousarray(to_numpy(await to_host(value, name=key), name=key))
         info, layout = await self._layout(key)
         _check_shape(key, arr, tuple(info["shape"]), info["dtype"])
         requests = []
@@ -464,7 +491,7 @@ class Client:
         info = await self.describe(key)
         if info["kind"] != "table":
             raise InvalidRequest(f"{key!r} is a dense key: use pull", key=key)
-        ids = np.asarray(to_numpy(ids, name="ids"), dtype=np.int64).ravel()
+        ids = np.asarray(to_numpy(await to_host(ids, name="ids"), name="ids"), dtype=np.int64).ravel()
         unique, inverse = np.unique(ids, return_inverse=True)
         shards = row_shards(key, unique, self.cluster_map.shards)
         consistency = self._consistency(consistency)
@@ -500,6 +527,8 @@ class Client:
         info = await self.describe(key)
         if info["kind"] != "table":
             raise InvalidRequest(f"{key!r} is a dense key: use push", key=key)
+        host = await to_host({"ids": ids, "grads": grads})
+        ids, grads = host["ids"], host["grads"]
         ids = np.asarray(to_numpy(ids, name="ids"), dtype=np.int64).ravel()
         grads = to_numpy(grads, name=key)
         _check_shape(key, grads, (len(ids), info["dim"]), info["dtype"])
@@ -515,12 +544,17 @@ class Client:
             for start in range(0, len(idx), per_request):
                 part = idx[start:start + per_request]
                 fields, parts = ({}, [summed[part]]) if self._lossy is None else \
-                    self._lossy.encode(key, -1, summed[part], rows=True)
+                    self._lossy.encode(key, -1, summed[part], rows=True)[:2]  # rows keep no residual
                 requests.append((int(s), {"rows": [{"key": key, "ids": 0, "grads": 1, **fields}]},
                                  [unique[part], *parts]))
         if not requests:
             return 0
         return (await self._push_requests(requests)).get(key, 0)
+
+    async def set_hyperparams(self, key: str, values: Mapping[str, Any], *, step: int) -> dict:
+        """Change ``key``'s schedulable optimizer fields (``lr``, ``momentum``, ``betas``, ...) as
+        of worker ``step``; an older step than the key's last one is ignored (see ``_hyper``)."""
+        return await set_hyperparams(self, key, values, step=step)
 
     # ---- worker clocks (bounded-staleness and synchronous training; see StepClock) -----------
 
@@ -578,6 +612,7 @@ class Client:
         written exactly with ``set_rows``; rows not in the file keep the table's initializer.
         Returns the keys written."""
         infos = {i["key"]: i for i in await self.keys()}
+        state = await to_host(dict(state))
         written = []
         for key, value in state.items():
             if key.endswith(".ids") and key[:-4] in state:
@@ -601,8 +636,9 @@ class Client:
     async def set_rows(self, key: str, ids: Any, values: Any) -> None:
         """Overwrite rows of table ``key`` exactly (created if missing; optimizer state kept)."""
         info = await self.describe(key)
-        ids = np.asarray(to_numpy(ids, name="ids"), dtype=np.int64).ravel()
-        values = np.ascontiguousarray(to_numpy(values, name=key))
+        host = await to_host({"ids": ids, "values": values})
+        ids = np.asarray(to_numpy(host["ids"], name="ids"), dtype=np.int64).ravel()
+        values = np.ascontiguousarray(to_numpy(host["values"], name=key))
         _check_shape(key, values, (len(ids), info["dim"]), info["dtype"])
         unique, first = np.unique(ids[::-1], return_index=True)    # the last write of an id wins
         values = values[::-1][first]

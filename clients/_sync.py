@@ -11,6 +11,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from ._client import Client
+from ._convert import host_values
 
 __all__ = ["SyncClient"]
 
@@ -59,16 +60,20 @@ class SyncClient:
     def client_id(self) -> str:
         return self._client.client_id
 
-    def create(self, key, value, **kw): return self._run(self._client.create(key, value, **kw))
+    # Values are converted here, in the caller's thread (after its current CUDA stream's work),
+    # so the client's loop never waits on a GPU.
+    def create(self, key, value, **kw): return self._run(self._client.create(key, host_values(value), **kw))
     def create_table(self, key, dim, **kw): return self._run(self._client.create_table(key, dim, **kw))
     def delete(self, key): return self._run(self._client.delete(key))
     def describe(self, key, **kw): return self._run(self._client.describe(key, **kw))
     def keys(self): return self._run(self._client.keys())
-    def push(self, grads): return self._run(self._client.push(grads))
+    def push(self, grads): return self._run(self._client.push(host_values(grads)))
     def pull(self, keys, **kw): return self._run(self._client.pull(keys, **kw))
     def get(self, key, **kw): return self._run(self._client.get(key, **kw))
-    def set(self, key, value, **kw): return self._run(self._client.set(key, value, **kw))
-    def pull_rows(self, key, ids, **kw): return self._run(self._client.pull_rows(key, ids, **kw))
-    def push_rows(self, key, ids, grads): return self._run(self._client.push_rows(key, ids, grads))
+    def set(self, key, value, **kw): return self._run(self._client.set(key, host_values(value), **kw))
+    def pull_rows(self, key, ids, **kw): return self._run(self._client.pull_rows(key, host_values(ids), **kw))
+    def push_rows(self, key, ids, grads):
+        return self._run(self._client.push_rows(key, host_values(ids), host_values(grads)))
     def clock_tick(self, job, worker, step, **kw): return self._run(self._client.clock_tick(job, worker, step, **kw))
     def clocks(self, job): return self._run(self._client.clocks(job))
+    def set_hyperparams(self, key, values, **kw): return self._run(self._client.set_hyperparams(key, values, **kw))

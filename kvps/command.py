@@ -21,6 +21,7 @@ import numpy as np
 
 from kvps.delta import frame
 from kvps.errors import InvalidRequest
+from kvps.hyper import check_values
 from kvps.initializer import initializer_from_dict, initializer_to_dict
 from kvps.optimizer import optimizer_from_dict, optimizer_to_dict
 from kvps.placement import VALUE_DTYPES, DenseLayout
@@ -28,19 +29,20 @@ from kvps.placement import VALUE_DTYPES, DenseLayout
 __all__ = [
     "Barrier",
     "ClockTick",
-    "SetRows",
-    "SNAPSHOT_OPS",
-    "SnapshotStep",
     "Command",
     "CreateKey",
     "CreateTable",
     "DeleteKey",
     "DenseDelta",
+    "Hyperparams",
     "MERGE_MODES",
     "Push",
     "PushId",
     "RowDelta",
+    "SNAPSHOT_OPS",
     "Set",
+    "SetRows",
+    "SnapshotStep",
     "decode_command",
 ]
 
@@ -386,6 +388,24 @@ class ClockTick(_Base):
 
 
 @dataclass(frozen=True, eq=False)
+class Hyperparams(_Base):
+    """Change schedulable optimizer fields of ``key`` (a learning-rate schedule) as of worker step
+    ``step``: the shard ignores an update stamped with an older step than the key's last one, so
+    a slow worker cannot move the schedule back (see ``kvps.hyper``)."""
+
+    key: str
+    step: int
+    values: dict
+
+    def __post_init__(self) -> None:
+        _set_fields(self, key=_str(self.key, "key", MAX_KEY_CHARS), step=_int(self.step, "step"),
+                    values=check_values(self.values))
+
+    def to_bytes(self) -> bytes:
+        return _encode({"type": "hyperparams", "key": self.key, "step": self.step, "values": self.values})
+
+
+@dataclass(frozen=True, eq=False)
 class SetRows(_Base):
     """Overwrite rows ``ids`` (sorted, unique) of table ``key`` with ``values`` (import): rows are
     created if missing, their optimizer state and step count are kept, versions grow by one."""
@@ -443,7 +463,8 @@ class SnapshotStep(_Base):
                         "label": self.label, "digest": self.digest, "size": self.size})
 
 
-Command = Union[CreateKey, CreateTable, DeleteKey, Push, Set, Barrier, ClockTick, SetRows, SnapshotStep]
+Command = Union[CreateKey, CreateTable, DeleteKey, Push, Set, Barrier, ClockTick, SetRows, SnapshotStep,
+                Hyperparams]
 
 
 # ---- encoding -----------------------------------------------------------------------------------
@@ -508,6 +529,8 @@ def _decode(m: dict, arrays: tuple) -> Any:
         return Barrier(m["term"], m["replica"])
     if kind == "clock_tick":
         return ClockTick(m["now"], m["job"], m["worker"], m["step"], m["lease_s"])
+    if kind == "hyperparams":
+        return Hyperparams(m["key"], m["step"], m["values"])
     if kind == "snapshot":
         return SnapshotStep(m["op"], m["snap_id"], m["at"], m["label"], m["digest"], m["size"])
     raise InvalidRequest(f"unknown command type {kind!r}")

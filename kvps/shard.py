@@ -23,8 +23,8 @@ from kvps.applied import AppliedTable, Result
 from kvps.catalog import SnapshotCatalog
 from kvps.clocks import ClockTable
 from kvps.command import (
-    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Push, PushId, Set, SetRows,
-    SnapshotStep,
+    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Hyperparams, Push, PushId, Set,
+    SetRows, SnapshotStep,
 )
 from kvps.delta import frame
 from kvps.dense import Block, DenseKey, frozen
@@ -36,6 +36,7 @@ from kvps.machine import (
     Applied, CompactLog, DropSnapshotFile, ForgetKey, ForgetVersions, HoldAcknowledgements,
     ReleaseAcknowledgements, RememberBlocks, WriteSnapshotFile,
 )
+from kvps.hyper import HyperTable
 from kvps.merge import PushRequest, is_finite
 from kvps.table import Table
 
@@ -58,6 +59,7 @@ class ShardState:
         self._applied = AppliedTable(self.session_ttl)
         self._clocks = ClockTable()
         self._catalog = SnapshotCatalog(shard)
+        self._hyper = HyperTable()  # learning-rate schedules: overrides of the keys' optimizers
         # cluster time: the largest time stamped into a command applied so far (kvps.clocks); the
         # time sessions and leases are judged by, never moving back
         self.time = 0.0
@@ -109,7 +111,19 @@ class ShardState:
         raise KeyExists(f"key {cmd.key!r} exists with another definition", key=cmd.key)
 
     def _delete_key(self, cmd: DeleteKey) -> Applied:
+        self._hyper.drop(cmd.key)
         return Applied({"deleted": self._keys.pop(cmd.key, None) is not None}, (ForgetKey(cmd.key),))
+
+    def _hyperparams(self, cmd: Hyperparams) -> dict:
+        return self._hyper.update(cmd.key, self._entry(cmd.key), cmd.step, cmd.values)
+
+    def check_hyperparams(self, cmd: Hyperparams) -> KvpsError | None:
+        """The leader's pre-check (apply re-checks and returns the same error)."""
+        try:
+            self._hyper.check(cmd.key, self._entry(cmd.key), cmd.values)
+        except KvpsError as exc:
+            return exc
+        return None
 
     def _barrier(self, cmd: Barrier) -> dict:
         return {"barrier": cmd.term}
@@ -176,6 +190,7 @@ class ShardState:
                 entry.bump_versions(floor)
             keys[key] = entry
         self._keys = keys
+        self._hyper = snap._hyper  # the snapshot's entries carry its schedule overrides already
         return Applied({"restored": cmd.snap_id, "keys": len(keys), "version_floor": floor},
                        (ForgetVersions(), CompactLog()))
 
@@ -309,6 +324,8 @@ class ShardState:
             return None
         info = {"key": key, "kind": entry.kind, "dtype": entry.definition()["dtype"],
                 "optimizer": entry.optimizer_dict, "merge": entry.merge, "version": self._version(key)}
+        if self._hyper.info(key) is not None:  # schedule overrides on top of that optimizer
+            info["hyperparams"] = self._hyper.info(key)
         if isinstance(entry, DenseKey):
             return {**info, "shape": list(entry.layout.shape), "block_rows": entry.layout.block_rows,
                     "blocks": sorted(entry.blocks)}
@@ -452,6 +469,8 @@ class ShardState:
             meta["clocks"] = self._clocks.to_json()
         if self._catalog.entries:  # likewise
             meta["snapshots"] = self._catalog.listing()
+        if self._hyper.keys:  # likewise
+            meta["hyper"] = self._hyper.to_json()
         return meta, arrays
 
     @classmethod
@@ -484,6 +503,7 @@ class ShardState:
         state._clocks.load_json(m.get("clocks", []))
         state.time = float(m.get("time", 0.0))  # older snapshots: the next stamp sets it
         state._catalog.load(m.get("snapshots", []))
+        state._hyper.load_json(m.get("hyper", {}), state._keys)
         return state
 
     def state_hash(self) -> str:
@@ -527,4 +547,5 @@ _HANDLERS = {
     ClockTick: ShardState._clock_tick,
     SetRows: ShardState._set_rows,
     SnapshotStep: ShardState._snapshot_step,
+    Hyperparams: ShardState._hyperparams,
 }

@@ -286,3 +286,87 @@ def test_pulls_ask_for_xor_deltas_unless_every_replica_is_on_this_host(hosts, de
 def test_deltas_setting_is_checked():
     with pytest.raises(kc.InvalidRequest):
         make(FakeShard(), deltas="sometimes")
+
+
+class FiniteShard(FakeShard):
+    """Like the server: a push whose (widened) gradient holds NaN or Inf is refused."""
+
+    def __init__(self, fail_next: bool = False):
+        super().__init__()
+        self.fail_next = fail_next
+
+    async def __call__(self, method, url, body, headers):
+        if url.endswith("/v1/rpc/push") and url.startswith(URLS[2]):
+            req = frame.decode(body)
+            if self.fail_next or not all(np.isfinite(a.astype(np.float32)).all() for a in req.arrays):
+                self.fail_next = False
+                err = kc.InvalidRequest("gradient contains NaN or Inf")
+                return err.http_status, json.dumps(err.to_dict()).encode()
+        return await super().__call__(method, url, body, headers)
+
+
+def test_fp16_push_of_a_value_beyond_its_range_is_sent_exactly_and_later_pushes_still_work():
+    fake = FiniteShard()
+
+    async def main():
+        async with make(fake, push_codec="fp16") as ps:
+            await ps.push({"w": np.array([1.0, 1e5, 1.0, 1.0], np.float32)})
+            await ps.push({"w": np.ones(4, np.float32)})
+            return ps._lossy.residual
+
+    residual = asyncio.run(main())
+    assert [d.get("encoding") for m in fake.pushes for d in m["dense"]] == [None, "fp16"]
+    assert all(np.isfinite(r).all() for r in residual.values())
+
+
+def test_lossy_residual_counts_only_once_the_push_is_acknowledged():
+    fake = FiniteShard()
+    g = np.full(4, 1.0 + 2**-13, np.float32)  # fp16 drops the 2**-13
+
+    async def main():
+        async with make(fake, push_codec="fp16") as ps:
+            await ps.push({"w": g})
+            kept = ps._lossy.residual[("w", 0)].copy()
+            fake.fail_next = True
+            with pytest.raises(kc.InvalidRequest):
+                await ps.push({"w": g})
+            return kept, ps._lossy.residual[("w", 0)]
+
+    kept, after = asyncio.run(main())
+    np.testing.assert_array_equal(after, kept)  # the refused push left the residual as it was
+
+
+def test_a_pull_in_flight_survives_a_concurrent_create_of_its_key():
+    """create() drops the key's cached blocks; a pull waiting for its reply meanwhile used to look
+    its cache up again afterwards and fail with a KeyError (seen with KvpsStore's threads)."""
+    release, pulling = asyncio.Event(), asyncio.Event()
+
+    async def handler(method, url, body, headers):
+        if url.endswith("/v1/cluster"):
+            return 200, json.dumps(CLUSTER).encode()
+        base, op = url.split("/v1/rpc/")
+        if base != URLS[2]:
+            err = NotLeader("not me", leader_hint=URLS[2])
+            return err.http_status, json.dumps(err.to_dict()).encode()
+        if op == "describe":
+            return 200, frame.encode(frame.KIND_RESPONSE, {"info": INFO})
+        if op == "create_key":
+            return 200, frame.encode(frame.KIND_RESPONSE, {"created": False})
+        if op == "pull":
+            pulling.set()
+            await release.wait()  # the reply comes after the create
+            meta = {"blocks": [{"key": "w", "block": 0, "version": 3, "array": 0}]}
+            return 200, frame.encode(frame.KIND_RESPONSE, meta, [np.arange(4, dtype=np.float32)])
+        raise AssertionError(op)
+
+    async def main():
+        async with make(handler) as ps:
+            async def create_then_release():
+                await pulling.wait()  # the pull is waiting for its reply
+                await ps.create("w", np.zeros(4, np.float32))
+                release.set()
+            got, _ = await asyncio.gather(ps.get("w"), create_then_release())
+            return got
+
+    value, version = asyncio.run(main())
+    assert value.tolist() == [0.0, 1.0, 2.0, 3.0] and version == 3

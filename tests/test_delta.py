@@ -74,7 +74,8 @@ _grads = hnp.arrays(np.float32, st.integers(1, 300),
 def test_fp16_and_bf16_per_step_error_bounds(g):
     for spec, bound in (("fp16", 2.0 ** -11), ("bf16", 2.0 ** -8)):
         enc = LossyEncoder(spec)
-        fields, arrays = enc.encode("k", 0, g)
+        fields, arrays, pending = enc.encode("k", 0, g)
+        enc.commit([pending])
         sent = arrays[0].astype(np.float32) if spec == "fp16" else bf16_widen(arrays[0].array)
         assert fields == {"encoding": spec}
         np.testing.assert_array_less(np.abs(sent - g), bound * np.abs(g) + 1e-30)
@@ -90,7 +91,8 @@ def test_error_feedback_sum_of_sent_tracks_sum_of_true_gradients(spec, seed):
     sent_sum = np.zeros(500, np.float64)
     for _ in range(30):
         g = rng.standard_normal(500).astype(np.float32)
-        fields, arrays = enc.encode("k", 0, g)
+        fields, arrays, pending = enc.encode("k", 0, g)
+        enc.commit([pending])
         if spec.startswith("topk"):
             values, idx = arrays
             assert len(idx) == max(1, int(np.ceil(float(spec[5:]) * 500)))
@@ -102,6 +104,38 @@ def test_error_feedback_sum_of_sent_tracks_sum_of_true_gradients(spec, seed):
         sent_sum += sent
     # everything not yet sent is exactly the residual (up to float32 rounding of the sums)
     np.testing.assert_allclose(sent_sum + enc.residual[("k", 0)], true_sum, rtol=0, atol=1e-3)
+
+
+def test_fp16_never_stores_a_non_finite_residual():
+    """A value beyond fp16's range used to be sent as inf (the server refused it) and leave -inf
+    in the residual, so every later push of the block was refused too."""
+    enc = LossyEncoder("fp16")
+    g = np.array([1.0, 1e5, -3.0], np.float32)  # 1e5 > 65504
+    fields, arrays, pending = enc.encode("k", 0, g)
+    assert fields == {} and arrays[0].dtype == np.float32 and arrays[0].tolist() == g.tolist()
+    enc.commit([pending])
+    assert np.isfinite(enc.residual[("k", 0)]).all() and not enc.residual[("k", 0)].any()
+    fields, arrays, _ = enc.encode("k", 0, np.ones(3, np.float32))  # the next push is fp16 again
+    assert fields == {"encoding": "fp16"} and arrays[0].dtype == np.float16
+    bad = np.array([np.nan, 1.0, 2.0], np.float32)  # the user's NaN: sent as is, no residual kept
+    fields, arrays, pending = LossyEncoder("bf16").encode("k", 0, bad)
+    assert fields == {} and pending[3] is None
+    huge = np.array([3.4e38], np.float32)  # rounds to inf in bf16: sent exactly instead
+    assert LossyEncoder("bf16").encode("k", 0, huge)[0] == {}
+
+
+def test_residual_is_stored_on_acknowledgement_and_put_back_on_failure():
+    enc = LossyEncoder("fp16")
+    g = np.full(4, 1.0 + 2**-13, np.float32)  # not representable in fp16: leaves a residual
+    *_, first = enc.encode("k", 0, g)
+    assert ("k", 0) not in enc.residual  # nothing stored while the push is in flight
+    enc.commit([first])
+    kept = enc.residual[("k", 0)].copy()
+    assert kept.any()
+    *_, second = enc.encode("k", 0, g)  # takes the residual out ...
+    assert ("k", 0) not in enc.residual
+    enc.abandon([second])  # ... and the failed push puts it back unchanged
+    np.testing.assert_array_equal(enc.residual[("k", 0)], kept)
 
 
 def test_bf16_rounds_to_nearest_even():

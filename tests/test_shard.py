@@ -9,7 +9,7 @@ import pytest
 
 from kvps.applied import AppliedTable
 from kvps.command import (
-    Barrier, CreateKey, CreateTable, DeleteKey, DenseDelta, Push, PushId, Set, decode_command,
+    Barrier, CreateKey, CreateTable, DeleteKey, DenseDelta, Hyperparams, Push, PushId, Set, decode_command,
 )
 from kvps.errors import (
     CodecError, InvalidRequest, KeyExists, KeyNotFound, PushExpired, ShapeMismatch, Unavailable,
@@ -380,8 +380,12 @@ def _random_log(seed: int, n: int = 300) -> list[bytes]:
             log.append(Set(float(len(log)), "d", seqs["d"], seqs["d"], f"w{int(rng.integers(0, 4))}",
                            ((2, rng.standard_normal((1, 3)).astype(np.float32)),),
                            None if rng.random() < 0.5 else int(rng.integers(0, 30))).to_bytes())
-        else:
+        elif roll < 0.97:
             log.append(Barrier(int(rng.integers(0, 5)), "r").to_bytes())
+        else:  # a schedule step, on a dense key or a table (on Add's keys: an error value)
+            k = int(rng.integers(0, 4))
+            log.append(Hyperparams(f"{'we'[int(rng.integers(0, 2))]}{k}", int(rng.integers(0, 40)),
+                                   {"lr": float(rng.uniform(0.001, 0.1))}).to_bytes())
     return log
 
 
@@ -401,6 +405,7 @@ def test_same_log_gives_identical_snapshots_also_after_restore():
     assert a.snapshot() == b.snapshot() == c.snapshot()
     assert a.state_hash() == c.state_hash()
     assert a.describe("e0")["rows"] > 10 and a.describe("w0")["version"] > 50  # the log did real work
+    assert any("hyperparams" in a.describe(k) for k in ("w0", "w1", "w2", "e0", "e1", "e2"))
 
 
 def test_applied_table_trims_caps_expires_and_round_trips():

@@ -1,6 +1,6 @@
 """ShardState against a plain dict/numpy model: creates, merged pushes with duplicates and retries,
-compare-and-set, deletes, snapshot -> restore -> continue, and user snapshots restored later
-(values back, versions moved past every current one, duplicate table kept)."""
+compare-and-set, deletes, learning-rate schedule steps, snapshot -> restore -> continue, and user
+snapshots restored later (values back, versions moved past every current one, duplicate table kept)."""
 from __future__ import annotations
 
 import copy
@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvps.command import CreateKey, CreateTable, DeleteKey, Set, SnapshotStep
+from kvps.command import CreateKey, CreateTable, DeleteKey, Hyperparams, Set, SnapshotStep
 from kvps.delta import frame
 from kvps.replica.snapshot_store import digest_of
 from kvps.errors import InvalidRequest, KeyExists, KeyNotFound, PushExpired, Unavailable, VersionConflict
@@ -26,8 +26,8 @@ OPTS = {False: {"name": "add"}, True: {"name": "sgd", "lr": LR}}
 INITS = (Zeros(), Constant(0.25), Normal(std=0.5, seed=11))
 
 
-def _step(value: np.ndarray, grad: np.ndarray, sgd: bool) -> np.ndarray:
-    return value - LR * grad if sgd else value + grad
+def _step(value: np.ndarray, grad: np.ndarray, sgd: bool, lr: float) -> np.ndarray:
+    return value - lr * grad if sgd else value + grad
 
 
 class ShardMachine(RuleBasedStateMachine):
@@ -102,7 +102,8 @@ class ShardMachine(RuleBasedStateMachine):
             self.dense[key]["blocks"].update(added)
         else:
             self._check(got, {"created": True})
-            self.dense[key] = {"layout": layout, "sgd": sgd, "blocks": {b: [v, 0] for b, v in blocks}}
+            self.dense[key] = {"layout": layout, "sgd": sgd, "blocks": {b: [v, 0] for b, v in blocks},
+                               "lr": LR, "hstep": None}
 
     @rule(key=st.sampled_from(KEYS), dim=st.integers(1, 3), sgd=st.booleans(), init=st.sampled_from(INITS))
     def create_table(self, key, dim, sgd, init):
@@ -114,12 +115,29 @@ class ShardMachine(RuleBasedStateMachine):
             self._check(got, {"created": False})
         else:
             self._check(got, {"created": True})
-            self.tables[key] = {"dim": dim, "sgd": sgd, "init": init, "rows": {}}
+            self.tables[key] = {"dim": dim, "sgd": sgd, "init": init, "rows": {}, "lr": LR, "hstep": None}
 
     @rule(key=st.sampled_from(KEYS))
     def delete(self, key):
         existed = self.dense.pop(key, None) is not None or self.tables.pop(key, None) is not None
         self._check(self.s.apply(DeleteKey(key)).result, {"deleted": existed})
+
+    @rule(key=st.sampled_from(KEYS + ("missing",)), step=st.integers(0, 6),
+          lr=st.sampled_from([0.25, 0.5, 0.75]))  # multiples of 1/4: SGD stays exact
+    def schedule(self, key, step, lr):
+        got = self.s.apply(Hyperparams(key, step, {"lr": lr})).result
+        entry = self.dense.get(key) or self.tables.get(key)
+        if entry is None:
+            self._check(got, KeyNotFound)
+        elif not entry["sgd"]:
+            self._check(got, InvalidRequest)  # Add has no lr
+        elif entry["hstep"] is not None and step < entry["hstep"]:
+            event("schedule: older step ignored")
+            self._check(got, {"applied": False, "step": entry["hstep"], "values": {"lr": entry["lr"]}})
+        else:
+            event("schedule: applied")
+            entry["lr"], entry["hstep"] = lr, step
+            self._check(got, {"applied": True, "step": step, "values": {"lr": lr}})
 
     def _draw_request(self, data, client: str, rng) -> PushRequest | None:
         seq, floor = self._next_id(data, client)
@@ -177,11 +195,11 @@ class ShardMachine(RuleBasedStateMachine):
                     seen.add(i)
         for (key, b), (g, count) in dense.items():
             block = self.dense[key]["blocks"][b]
-            block[:] = [_step(block[0], g, self.dense[key]["sgd"]), block[1] + count]
+            block[:] = [_step(block[0], g, self.dense[key]["sgd"], self.dense[key]["lr"]), block[1] + count]
         for (key, i), (g, count) in rows.items():
             t = self.tables[key]
             value, version = t["rows"].get(i, (t["init"].rows(np.array([i]), t["dim"], "float64")[0], 0))
-            t["rows"][i] = [_step(value, g, t["sgd"]), version + count]
+            t["rows"][i] = [_step(value, g, t["sgd"], t["lr"]), version + count]
         event(f"push: applied {len(reqs)} merged")
         results = [{"versions": {k: self._version(k) for k in r.keys()}} for r in reqs]
         self._record([(r.client, r.seq, r.floor, res) for r, res in zip(reqs, results)])
@@ -264,6 +282,9 @@ class ShardMachine(RuleBasedStateMachine):
     @invariant()
     def state_matches_model(self):
         assert sorted(k["key"] for k in self.s.keys()) == sorted([*self.dense, *self.tables])
+        for key, entry in [*self.dense.items(), *self.tables.items()]:
+            want = None if entry["hstep"] is None else {"step": entry["hstep"], "values": {"lr": entry["lr"]}}
+            assert self.s.describe(key).get("hyperparams") == want
         for key, entry in self.dense.items():
             blocks = sorted(entry["blocks"])
             assert self.s.describe(key)["blocks"] == blocks

@@ -18,7 +18,9 @@ import numpy as np
 from aiohttp import web
 
 from kvps.service.auth import TokenStore
-from kvps.command import SNAPSHOT_ID, ClockTick, CreateKey, CreateTable, DeleteKey, Set, SetRows, SnapshotStep
+from kvps.command import (
+    SNAPSHOT_ID, ClockTick, CreateKey, CreateTable, DeleteKey, Hyperparams, Set, SetRows, SnapshotStep,
+)
 from kvps.delta import frame, lossy
 from kvps.errors import InvalidRequest, KeyNotFound, KvpsError, RequestTooLarge, Timeout
 from kvps.delta.xor import xor_delta
@@ -367,6 +369,12 @@ async def _clock_tick(replica: Replica, req: frame.Frame):
     return await replica.write(cmd), ()
 
 
+async def _hyperparams(replica: Replica, req: frame.Frame):
+    m = req.meta
+    cmd = Hyperparams(key=_key(m), step=_field(m, "step", int), values=_field(m, "values", dict))
+    return await replica.write(cmd), ()
+
+
 async def _clocks(replica: Replica, req: frame.Frame):
     await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
     return {"clocks": replica.clocks(_field(req.meta, "job", str))}, ()
@@ -440,6 +448,7 @@ HANDLERS: dict[str, Handler] = {
     "state_hash": _state_hash,
     "clock_tick": _clock_tick,
     "clocks": _clocks,
+    "hyperparams": _hyperparams,
     "membership": membership_rpc,
     "snapshot_step": _snapshot_step,
     "snapshot_status": _snapshot_status,

@@ -20,7 +20,8 @@ from typing import Any
 
 from kvps.clocks import ClusterTime
 from kvps.command import (
-    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Push, Set, SetRows, SnapshotStep,
+    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Hyperparams, Push, Set, SetRows,
+    SnapshotStep,
     decode_command,
 )
 from kvps.config import ClusterConfig
@@ -259,6 +260,10 @@ class Replica:
             if done is not None:
                 await self._release((cmd.client, cmd.seq))
                 return _unwrap(done)
+            if err is not None:
+                raise err
+        elif isinstance(cmd, Hyperparams):  # validated here, on the leader, before proposing
+            err = self.host.lookup(lambda s: s.check_hyperparams(cmd))
             if err is not None:
                 raise err
         elif not isinstance(cmd, (CreateKey, CreateTable, DeleteKey, ClockTick, SetRows)):
