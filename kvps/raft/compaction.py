@@ -76,8 +76,10 @@ class Compaction:
     """pysyncobj's serializer hooks for one group (tick thread), and its pacing by bytes."""
 
     def __init__(self, dump_path: Path, raft: RaftConfig, snapshot_state: Callable[[], Any],
-                 restore_state: Callable[[memoryview], None]) -> None:
+                 restore_state: Callable[[memoryview], None],
+                 busy: Callable[[], bool] | None = None) -> None:
         self.dump_path = dump_path
+        self._busy = busy  # the replica is serving: writers run at half speed
         self._raft = raft
         self._snapshot_state = snapshot_state
         self._restore_state = restore_state
@@ -143,7 +145,7 @@ class Compaction:
             state=b"")
         self.counters["started"] += 1
         self._writer = _Writer(snap, state, str(self.dump_path) + ".partial", self._installs,
-                               dump=str(self.dump_path))
+                               dump=str(self.dump_path), busy=self._busy)
         self._writer.start()
 
     def check(self) -> int:
@@ -204,8 +206,9 @@ class _Writer:
     """One log compaction's writer thread: encodes the state view and writes ``partial``."""
 
     def __init__(self, snap: snapshot_file.RaftSnapshot | None, state: Any, partial: str,
-                 installs: int, dump: str = "") -> None:
+                 installs: int, dump: str = "", busy: Callable[[], bool] | None = None) -> None:
         self.snap = snap
+        self.busy = busy
         self.state = state
         self.partial = partial
         self.dump = dump
@@ -239,7 +242,7 @@ class _Writer:
             state = self.state() if callable(self.state) else self.state
             snap = snapshot_file.RaftSnapshot(self.snap.last_entry, self.snap.prev_entry,
                                               self.snap.members, state)
-            snapshot_file.write(self.partial, snap)
+            snapshot_file.write(self.partial, snap, busy=self.busy)
             self.nbytes = os.path.getsize(self.partial)
             # A second link to the snapshot the rename will replace: the tick thread then drops a
             # name, not the last one, and freeing a GB-sized file's blocks (which can wait on the

@@ -121,7 +121,10 @@ class ShardGroup(SyncObj):
     def __init__(self, *, self_address: str, peers: Sequence[str], raft: RaftConfig, secret: bytes,
                  context: str, journal_dir: Path, applier: Callable[[bytes | memoryview], Any],
                  snapshot_state: Callable[[], Any], restore_state: Callable[[memoryview], None],
-                 on_role_change: Callable[[str], None] | None = None) -> None:
+                 on_role_change: Callable[[str], None] | None = None,
+                 busy: Callable[[], bool] | None = None) -> None:
+        """``busy()``: whether the replica is serving requests right now (compaction writers then
+        run at half speed)."""
         raft.validate()
         journal_dir = Path(journal_dir)
         journal_dir.mkdir(parents=True, exist_ok=True)
@@ -138,7 +141,7 @@ class ShardGroup(SyncObj):
         self._tokens = itertools.count()
         self._stopped = False
         self._tick_thread: threading.Thread | None = None
-        self._compaction = compaction.Compaction(dump_path, raft, snapshot_state, restore_state)
+        self._compaction = compaction.Compaction(dump_path, raft, snapshot_state, restore_state, busy)
         self._last_tick: float | None = None
         self.tick_stalls = {"max_seconds": 0.0, "over_100ms": 0}  # tick thread gaps
         self._failover = FastFailover(self, raft.fast_failover_stagger)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from kvps.errors import CodecError
 
-__all__ = ["MAGIC", "VERSION", "RaftSnapshot", "read", "set_busy_probe", "write", "write_buffers"]
+__all__ = ["MAGIC", "VERSION", "RaftSnapshot", "read", "write", "write_buffers"]
 
 MAGIC = b"KVPSRSNP"
 VERSION = 1
@@ -52,8 +52,9 @@ class RaftSnapshot:
     state: bytes | memoryview | Sequence[bytes | memoryview]
 
 
-def write(path: str | Path, snap: RaftSnapshot) -> None:
-    """Write ``snap`` to ``path`` and fsync it."""
+def write(path: str | Path, snap: RaftSnapshot, *, busy: Callable[[], bool] | None = None) -> None:
+    """Write ``snap`` to ``path`` and fsync it (at half speed while ``busy()``: see
+    ``write_buffers``)."""
     parts: list[bytes] = []
     for command, index, term in (snap.last_entry, snap.prev_entry):
         command = bytes(command)
@@ -72,7 +73,7 @@ def write(path: str | Path, snap: RaftSnapshot) -> None:
         size += len(part)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        write_buffers(fd, [_HEADER.pack(MAGIC, VERSION, 0, crc, size), *parts])
+        write_buffers(fd, [_HEADER.pack(MAGIC, VERSION, 0, crc, size), *parts], busy=busy)
     finally:
         os.close(fd)
 
@@ -81,11 +82,14 @@ SYNC_EVERY = 32 * 1024 * 1024  # bytes written between fdatasyncs of a big file
 _CHUNK = 8 * 1024 * 1024
 
 
-def write_buffers(fd: int, buffers, sync_every: int = SYNC_EVERY) -> int:
+def write_buffers(fd: int, buffers, sync_every: int = SYNC_EVERY, *,
+                  busy: Callable[[], bool] | None = None) -> int:
     """Write ``buffers`` to ``fd`` in order, fdatasync every ``sync_every`` bytes, fsync at the end;
     the bytes written. Syncing as it goes keeps a multi-GB snapshot from filling the page cache
     with dirty pages: past the kernel's dirty limits every writer on the machine is throttled,
-    the Raft journals included, and their heartbeats stall. Here only this writer waits."""
+    the Raft journals included, and their heartbeats stall. Here only this writer waits.
+    ``busy()`` says whether the replica is serving requests right now: the write then runs at
+    half speed (log compaction, user snapshots)."""
     written = since_sync = 0
     started = time.monotonic()
     for buf in buffers:
@@ -101,23 +105,13 @@ def write_buffers(fd: int, buffers, sync_every: int = SYNC_EVERY) -> int:
                 os.fdatasync(fd)
                 since_sync = 0
                 took = time.monotonic() - started
-                if _busy_probe is not None and _busy_probe():
+                if busy is not None and busy():
                     # The replica is serving: give the disk and cores back for as long as this
                     # segment took (half speed while training runs, full speed when idle).
                     time.sleep(min(took, 1.0))
                 started = time.monotonic()
     os.fsync(fd)
     return written
-
-
-_busy_probe: Callable[[], bool] | None = None
-
-
-def set_busy_probe(probe: Callable[[], bool] | None) -> None:
-    """``probe()`` says whether the process is serving requests right now; big snapshot writes
-    (log compaction, user snapshots) then run at half speed. One per process (a replica)."""
-    global _busy_probe
-    _busy_probe = probe
 
 
 def read(path: str | Path) -> RaftSnapshot:

@@ -29,7 +29,7 @@ from kvps.delta import frame
 from kvps.errors import CodecError, InvalidRequest, KeyNotFound, KvpsError, NotLeader, Unavailable
 from kvps.machine import CompactLog, Effect
 from kvps.merge import PushRequest, comparable_digests, is_finite
-from kvps.raft import bridge, snapshot_file
+from kvps.raft import bridge
 from kvps.raft import membership as raft_membership
 from kvps.raft.group import ShardGroup
 from kvps.replica.batcher import PushBatcher
@@ -76,7 +76,8 @@ class Replica:
         # the time this replica stamps into commands as leader and judges leases by (kvps.clocks)
         self.cluster_time = ClusterTime(time.monotonic)
         self.snapshots = UserSnapshots(shard, self.address, self._data_dir, http=http,
-                                       hold_seconds=server.snapshot_hold, peers=self._peer_urls)
+                                       hold_seconds=server.snapshot_hold, peers=self._peer_urls,
+                                       busy=self._serving_recently)
         self.stats = ReplicaStats(shard, node_id)
         self._loop = asyncio.get_running_loop()
         self._applied = asyncio.Event()  # pulsed after every apply (follower reads wait on it)
@@ -102,11 +103,9 @@ class Replica:
             self_address=self.address, peers=peers, raft=cfg.raft, secret=secret,
             context=f"kvps/shard={shard}", journal_dir=journal_dir, applier=self._apply,
             snapshot_state=self._snapshot_state, restore_state=self._restore_state,
-            on_role_change=self._on_role_change)
+            on_role_change=self._on_role_change, busy=self._serving_recently)
         if joining:
             raft_membership.hold_elections(self.group, JOIN_ELECTION_HOLD)
-        # compaction writers slow down while this replica serves (kvps.raft.snapshot_file)
-        snapshot_file.set_busy_probe(lambda: self.stats.serving_recently(self.group.raftLastApplied))
         self.leadership = Leadership(cfg, shard, self.address, self.group, propose=self._propose,
                                      wait_applied=self._wait_applied, not_leader=self._not_leader)
         self.batcher = PushBatcher(self._propose, cfg.server, clock=self.cluster_time.now,
@@ -165,6 +164,12 @@ class Replica:
         state = ShardState.restore(data)
         self.host.replace(state)
         self.cluster_time.applied(state.time)
+
+    def _serving_recently(self) -> bool:
+        """Whether this replica applied an entry or served a pull in the last 0.2 s (snapshot
+        writers then run at half speed)."""
+        group = getattr(self, "group", None)  # the group's compaction may ask while it is built
+        return self.stats.serving_recently(group.raftLastApplied if group is not None else 0)
 
     def _on_role_change(self, role: str) -> None:
         self._loop.call_soon_threadsafe(self._role_changed, role)

@@ -21,7 +21,7 @@ import mmap
 import os
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +58,8 @@ def digest_of(head: bytes | memoryview) -> str:
     return hashlib.blake2b(head, digest_size=32).hexdigest()
 
 
-def write_parts(path: Path, snap_id: str, shard: int, meta: dict, arrays: Sequence[np.ndarray]) -> tuple[str, int]:
+def write_parts(path: Path, snap_id: str, shard: int, meta: dict, arrays: Sequence[np.ndarray], *,
+                busy: Callable[[], bool] | None = None) -> tuple[str, int]:
     """Encode ``(meta, arrays)`` (``ShardState.snapshot_parts()``) and write it crash-safely to
     ``path``. Returns (digest, file size). Runs happily off the state machine's thread: it only
     reads the arrays it was given."""
@@ -73,7 +74,7 @@ def write_parts(path: Path, snap_id: str, shard: int, meta: dict, arrays: Sequen
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        write_buffers(fd, [head, *parts])  # synced as it goes, fsynced at the end
+        write_buffers(fd, [head, *parts], busy=busy)  # synced as it goes, fsynced at the end
     finally:
         os.close(fd)
     os.replace(tmp, path)

@@ -45,12 +45,14 @@ class UserSnapshots:
     """``peers()``: the data URLs of the shard's other replicas (to fetch a missing file from)."""
 
     def __init__(self, shard: int, address: str, data_dir: Path, *, hold_seconds: float,
-                 peers: Callable[[], list[str]], http: PeerClient) -> None:
+                 peers: Callable[[], list[str]], http: PeerClient,
+                 busy: Callable[[], bool] | None = None) -> None:
         self.shard = shard
         self.address = address
         self._data_dir = data_dir
         self._hold_seconds = hold_seconds
         self._peers = peers
+        self._busy = busy  # the replica is serving: files are written at half speed
         self._http = http
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
@@ -152,7 +154,7 @@ class UserSnapshots:
                 del done
             except CodecError:
                 digest, size = snapshot_store.write_parts(path, job.snap_id, self.shard, job.meta,
-                                                          list(job.arrays))
+                                                          list(job.arrays), busy=self._busy)
         except Exception as exc:  # noqa: BLE001 - reported through status
             log.error("shard %d: writing snapshot %s failed: %r", self.shard, job.snap_id, exc)
             return {"state": "failed", "error": repr(exc)}
