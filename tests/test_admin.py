@@ -164,9 +164,10 @@ def test_every_data_route_refuses_a_missing_or_wrong_token(cluster, token):
 def test_node_admin_routes_are_read_only(cluster):
     """Mutating admin routes must demand a token. This list makes a new route a deliberate
     decision (and a reason to extend the token check below)."""
+    from kvps.node.admin import make_app
     from kvps.node.node import Node
     node = Node(cluster.cfg, 0, cluster.config_path, cluster.data_dir / "node-0", cluster.token)
-    routes = {(r.method, r.resource.canonical) for r in node.make_app().router.routes()
+    routes = {(r.method, r.resource.canonical) for r in make_app(node).router.routes()
               if r.method != "HEAD"}
     mutating = {("POST", "/v1/nodes"), ("POST", "/v1/nodes/{id}/drain"), ("POST", "/v1/moves"),
                 ("POST", "/v1/rebalance"),
@@ -373,6 +374,7 @@ def test_tls_for_client_and_admin_traffic(tmp_path, cluster_factory):
 def test_openapi_document_matches_the_routers_and_live_responses(cluster):
     import jsonschema
 
+    from kvps.node.admin import make_app
     from kvps.node.node import Node
     from kvps.node.openapi import ADMIN_PATHS, DATA_PATHS
 
@@ -380,7 +382,7 @@ def test_openapi_document_matches_the_routers_and_live_responses(cluster):
     doc = json.loads(body)
     assert status == 200 and doc["openapi"].startswith("3.1")
     node = Node(cluster.cfg, 0, cluster.config_path, cluster.data_dir / "node-0", cluster.token)
-    served = {(r.method.lower(), r.resource.canonical) for r in node.make_app().router.routes()
+    served = {(r.method.lower(), r.resource.canonical) for r in make_app(node).router.routes()
               if r.method != "HEAD"}
     assert served == {(m, p) for p, ops in ADMIN_PATHS.items() for m in ops}
     assert {(m.lower(), p) for m, p in _replica_routes(cluster) if "{op}" not in p and "/rpc/" not in p} \

@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                              staleness=args.staleness)
     except KvpsError as exc:
         one_line = " ".join(exc.message.split())  # the contract: one clear line on stderr
-        print(f"kvps {args.command}: {one_line[:500]}", file=sys.stderr)
+        kind = "" if type(exc) is KvpsError else f"{type(exc).__name__}: "  # the server's error type
+        print(f"kvps {args.command}: {kind}{one_line[:500]}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -21,11 +21,10 @@ import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from kvps.errors import KvpsError, RetryableError, Unavailable, error_from_dict
+from kvps.errors import ConnectError, KvpsError, RetryableError
+from kvps.service.http import request_json
 
 __all__ = ["main"]
 
@@ -33,22 +32,12 @@ DEFAULT_ENDPOINT = "http://127.0.0.1:7100"
 
 
 def _request(method: str, url: str, token: str, body: dict | None = None, timeout: float = 15.0) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={
-        "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:  # the server's typed error, with the URL in front
-        try:
-            error = error_from_dict(json.loads(exc.read()))
-        except ValueError:
-            error = KvpsError(str(exc))
-        raise type(error)(f"{method} {url}: {error.message}", **error.fields) from exc
-    except OSError as exc:  # refused, reset, timed out: the node may be starting or restarting
-        raise Unavailable(f"cannot reach {url}: {exc}") from exc
-    except ValueError as exc:
-        raise KvpsError(f"{method} {url}: the reply is not JSON: {exc}") from exc
+    try:  # refused, reset, timed out (ConnectError): the node may be starting or restarting
+        return request_json(method, url, body, token=token, timeout=timeout)
+    except ConnectError:
+        raise
+    except KvpsError as exc:  # the server's typed error, with the URL in front
+        raise type(exc)(f"{method} {url}: {exc.message}", **exc.fields) from exc
 
 
 def _retrying(call, what: str, wait: float):

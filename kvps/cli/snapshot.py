@@ -7,17 +7,15 @@ import argparse
 import datetime as dt
 import json
 import os
-import ssl
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvps.errors import KvpsError
+from kvps.service.http import request, request_json
 
 __all__ = ["add_parser", "export_snapshot", "run"]
 
@@ -49,25 +47,8 @@ def add_parser(sub: Any) -> None:
 
 def _request(args: argparse.Namespace, method: str, path: str, body: dict | None = None,
              timeout: float = 3600.0) -> Any:
-    url = args.endpoint.rstrip("/") + path
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"}
-    if args.token:
-        headers["Authorization"] = f"Bearer {args.token}"
-    ctx = ssl.create_default_context(cafile=args.cafile) if args.cafile else None
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout, context=ctx) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            err = json.loads(exc.read())
-            message = f"{err.get('error', exc.code)}: {err.get('message', '')}"
-        except ValueError:
-            message = f"HTTP {exc.code}"
-        raise KvpsError(message) from None
-    except (OSError, urllib.error.URLError, ValueError) as exc:
-        raise KvpsError(f"cannot reach {url}: {exc}") from exc
+    return request_json(method, args.endpoint.rstrip("/") + path, body, token=args.token,
+                        timeout=timeout, cafile=args.cafile)
 
 
 def _when(ts: float | None) -> str:
@@ -162,15 +143,12 @@ def snapshot_state_dict(args: argparse.Namespace, snap_id: str) -> dict[str, np.
 
 def _download(args: argparse.Namespace, snap_id: str, shard: int, urls: list[str]) -> bytes:
     errors = []
-    ctx = ssl.create_default_context(cafile=args.cafile) if args.cafile else None
     for url in urls:
-        req = urllib.request.Request(f"{url}/v1/snapshots/{snap_id}/file",
-                                     headers={"Authorization": f"Bearer {args.token or ''}"})
         try:
-            with urllib.request.urlopen(req, timeout=600, context=ctx) as resp:
-                return resp.read()
-        except (OSError, urllib.error.URLError) as exc:
-            errors.append(f"{url}: {exc}")
+            return request("GET", f"{url}/v1/snapshots/{snap_id}/file", token=args.token,
+                           timeout=600, cafile=args.cafile)
+        except KvpsError as exc:
+            errors.append(f"{url}: {exc.message}")
     raise KvpsError(f"snapshot {snap_id}: no replica of shard {shard} sent its file ({'; '.join(errors)})")
 
 

@@ -3,22 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import urllib.error
-import urllib.request
 
-from kvps.errors import KvpsError
+from kvps.service.http import request_json
 
 __all__ = ["format_status", "run"]
-
-
-def _get_json(url: str, timeout: float = 3.0, cafile: str | None = None) -> dict:
-    import ssl
-    ctx = ssl.create_default_context(cafile=cafile) if cafile else None
-    try:
-        with urllib.request.urlopen(url, timeout=timeout, context=ctx) as resp:
-            return json.loads(resp.read())
-    except (OSError, urllib.error.URLError, ValueError) as exc:
-        raise KvpsError(f"cannot reach {url}: {exc}") from exc
 
 
 def format_status(cmap: dict) -> str:
@@ -53,6 +41,7 @@ def format_status(cmap: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    cmap = _get_json(args.endpoint.rstrip("/") + "/v1/cluster", cafile=args.cafile)
+    cmap = request_json("GET", args.endpoint.rstrip("/") + "/v1/cluster", timeout=3.0,
+                        cafile=args.cafile)
     print(json.dumps(cmap, indent=2) if args.json else format_status(cmap))
     return 0

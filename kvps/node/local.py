@@ -6,7 +6,6 @@ group, and stops every process it started — also when the caller fails (use it
 """
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -14,14 +13,13 @@ import socket
 import ssl
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvps.config import ClusterConfig, NodeConfig, RaftConfig, ServerConfig, dump_cluster
-from kvps.errors import Unavailable
+from kvps.errors import KvpsError, Unavailable
+from kvps.service.http import request_json
 from kvps.node.process import python_module_args, spawn, stop_process
 
 __all__ = ["LocalCluster", "free_port_base", "ports_free", "wait_until"]
@@ -196,10 +194,8 @@ class LocalCluster:
             if proc is None or proc.poll() is not None:
                 continue
             try:
-                with urllib.request.urlopen(node.admin_url + "/v1/cluster", timeout=timeout,
-                                            context=self.ssl) as r:
-                    return json.loads(r.read())
-            except (OSError, urllib.error.URLError, ValueError):
+                return request_json("GET", node.admin_url + "/v1/cluster", timeout=timeout, ssl=self.ssl)
+            except KvpsError:
                 continue
         return None
 

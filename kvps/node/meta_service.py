@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvps.config import ClusterConfig
-from kvps.errors import InvalidRequest, NotDrainable
+from kvps.errors import ConnectError, InvalidRequest, KvpsError, NotDrainable
 from kvps.meta import MetaState, meta_address
 from kvps.raft import bridge, recovery
 from kvps.raft.group import ShardGroup
@@ -136,10 +136,10 @@ class NodeMembership:
     def _start_meta(self, *, join: bool) -> None:
         import asyncio
 
-        from kvps.node.rebalance import MetaMover, MetaStore, Mover, Rebalancer, _Http
+        from kvps.node.rebalance import MetaMover, MetaStore, Mover, Rebalancer
         self.meta = MetaService(self.node.cfg, self.node.node_id, self.meta_ids, self.node.data_dir,
                                 self.secret(), join=join)
-        http = _Http(self.node._session, self.node.token)
+        http = self.node.http
         mover = Mover(http, MetaStore(self.meta), self._node_config, timeout=600)
         meta_mover = MetaMover(http, self.meta, self._node_config, self.node.cfg.shards, timeout=600)
         self._rebalancer = asyncio.create_task(
@@ -193,7 +193,6 @@ class NodeMembership:
     async def fetch(self) -> dict[str, Any] | None:
         """The newest metadata state: the local replica's while it knows a leader, else the
         newest a member answers with (the local replica may have been removed from the group)."""
-        import aiohttp
         own = self.meta.view() if self.meta is not None else None
         if own is not None and self.meta is not None and self.meta.hears_leader():
             return own
@@ -201,17 +200,17 @@ class NodeMembership:
         for n in self.meta_ids:
             if n == self.node.node_id or n >= len(self.node.cfg.nodes):
                 continue
-            url = self.node.cfg.node(n).admin_url + "/v1/meta"
             try:
-                async with self.node._session.get(url, timeout=aiohttp.ClientTimeout(total=1.0)) as r:
-                    if r.status == 200:
-                        data = await r.json()
-                        if best is None or data["version"] > best["version"]:
-                            best = data
-                        if own is None:
-                            break
-            except (aiohttp.ClientError, OSError, ValueError, TimeoutError):
+                data = await self.node.http.json("GET", self.node.cfg.node(n).admin_url + "/v1/meta",
+                                                 timeout=1.0)
+            except KvpsError:
                 continue
+            if not isinstance(data, dict) or not isinstance(data.get("version"), int):
+                continue
+            if best is None or data["version"] > best["version"]:
+                best = data
+            if own is None:
+                break
         return best
 
     async def _follow(self) -> None:
@@ -243,7 +242,6 @@ class NodeMembership:
     def add_routes(self, app: Any) -> None:
         from aiohttp import web
 
-        from kvps.errors import KvpsError
 
         async def get_meta(request: web.Request) -> web.Response:
             data = await self.fetch()
@@ -283,19 +281,18 @@ class NodeMembership:
         app.router.add_post("/v1/rebalance", rebalance)
 
     async def _forward(self, request: Any) -> Any:
-        import aiohttp
+        """A node without a metadata replica passes the call to one that has it (this node's
+        token: the caller's was checked already)."""
         from aiohttp import web
-        body = await request.read()
+        body = await request.json()
         for n in self.meta_ids:
             url = self.node.cfg.node(n).admin_url + request.rel_url.path
             try:
-                async with self.node._session.post(url, data=body, headers={
-                        "Authorization": request.headers.get("Authorization", ""),
-                        "Content-Type": "application/json"}, timeout=aiohttp.ClientTimeout(total=10)) as r:
-                    return web.Response(body=await r.read(), status=r.status,
-                                        content_type="application/json")
-            except (aiohttp.ClientError, OSError, TimeoutError):
+                return web.json_response(await self.node.http.json("POST", url, body, timeout=10.0))
+            except ConnectError:
                 continue
+            except KvpsError as exc:
+                return web.json_response(exc.to_dict(), status=exc.http_status)
         return web.json_response({"error": "Unavailable", "message": "no metadata node answered"}, status=503)
 
     async def _join(self, body: dict[str, Any]) -> dict[str, Any]:

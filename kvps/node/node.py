@@ -1,8 +1,8 @@
 """A node: supervises one replica process per hosted shard and serves the admin HTTP API.
 
 Replica processes are restarted when they exit (with a capped back-off). The node polls each local
-replica's ``/v1/status`` and answers ``/healthz``, ``/readyz``, ``/v1/node`` (its replicas) and
-``/v1/cluster`` (every node's replicas, gathered on request).
+replica's ``/v1/status``, follows the metadata group's assignment (starting and retiring replicas
+as it changes), and serves the admin app (``kvps.node.admin``).
 """
 from __future__ import annotations
 
@@ -20,19 +20,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from kvps.assignment import Assignment
 from kvps.config import ClusterConfig, NodeConfig
 from kvps.errors import InvalidRequest, KvpsError, Unauthorized
+from kvps.node.admin import make_app
 from kvps.node.meta_service import NodeMembership
-from kvps.node.metrics import NodeMetrics, merge_expositions
-from kvps.replica.metrics import CONTENT_TYPE
-from kvps.node.openapi import document
+from kvps.node.metrics import NodeMetrics
 from kvps.node.process import python_module_args, spawn, stop_process
 from kvps.raft import recovery
 from kvps.node.snapshot_api import SnapshotService
+from kvps.service.http import PeerClient
 
 __all__ = ["Node"]
 
@@ -94,7 +93,8 @@ class Node:
         self.membership = NodeMembership(self)
         self._stop_event: asyncio.Event | None = None
         self._stopping = False
-        self._session: aiohttp.ClientSession | None = None
+        # every call to another kvps process (replicas, other nodes) goes through it
+        self.http = PeerClient(token=token, ssl=client_ssl)
         self.metrics = NodeMetrics(node_id)
         self.snapshots = SnapshotService(self)  # /v1/snapshots and the snapshot schedule
 
@@ -209,20 +209,13 @@ class Node:
             raise Unauthorized("missing or wrong token")
 
     async def _poll_once(self) -> None:
-        assert self._session is not None
-
         async def one(rp: ReplicaProcess) -> None:
             url = self.cfg.node(self.node_id).data_url(rp.shard) + "/v1/status"
             try:
-                async with self._session.get(url, headers={"Authorization": f"Bearer {self.token}"},
-                                             timeout=aiohttp.ClientTimeout(total=1.0)) as resp:
-                    if resp.status == 200:
-                        rp.status = await resp.json()
-                        rp.status_at = time.monotonic()
-                        return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass
-            rp.status = None
+                rp.status = await self.http.json("GET", url, timeout=1.0)
+                rp.status_at = time.monotonic()
+            except KvpsError:
+                rp.status = None
 
         await asyncio.gather(*(one(rp) for rp in self.replicas.values()))
 
@@ -247,157 +240,10 @@ class Node:
             view.append((shard, st.get("role"), st.get("leader"), st.get("term")))
         return tuple(view)
 
-    # ---- views -------------------------------------------------------------------------------
-
-    def node_view(self) -> dict[str, Any]:
-        replicas = []
-        for rp in self.replicas.values():
-            alive = rp.proc is not None and rp.proc.poll() is None
-            st = rp.status or {}
-            if not alive or st.get("pid") != rp.proc.pid:
-                st = {}  # a status polled from a process that has since died or been replaced
-            replicas.append({
-                "shard": rp.shard, "node": self.node_id, "alive": alive,
-                "pid": rp.proc.pid if alive else None, "restarts": rp.restarts,
-                "raft": self.cfg.node(self.node_id).raft_address(rp.shard),
-                "data_url": self.cfg.node(self.node_id).data_url(rp.shard),
-                "role": st.get("role", "unknown"), "term": st.get("term"),
-                "leader": st.get("leader"), "serving": st.get("serving", False),
-                "commit_index": st.get("commit_index"), "applied_index": st.get("applied_index"),
-                "log_entries": st.get("log_entries"), "recovering": st.get("recovering", False),
-                "recovering_reason": st.get("recovering_reason"),
-            })
-        return {"node": self.node_id, "admin_url": self.cfg.node(self.node_id).admin_url,
-                "replicas": replicas}
-
-    async def cluster_view(self) -> dict[str, Any]:
-        assert self._session is not None
-
-        async def fetch(node_id: int) -> dict[str, Any] | None:
-            if node_id == self.node_id:
-                return self.node_view()
-            url = self.cfg.node(node_id).admin_url + "/v1/node"
-            try:
-                async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=0.5)) as resp:
-                    return await resp.json() if resp.status == 200 else None
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                return None
-
-        views = await asyncio.gather(*(fetch(n.id) for n in self.cfg.nodes))
-        return self.membership.annotate(build_cluster_map(self.cfg, views, self.assignment))
-
-    # ---- HTTP --------------------------------------------------------------------------------
-
-    def make_app(self) -> web.Application:
-        app = web.Application()
-
-        async def healthz(request: web.Request) -> web.Response:
-            return web.Response(text="ok\n")
-
-        async def readyz(request: web.Request) -> web.Response:
-            missing = [rp.shard for rp in self.replicas.values()
-                       if not rp.status or (rp.status.get("leader") is None
-                                            and rp.status.get("leader_url") is None)]
-            if missing:
-                return web.json_response({"ready": False, "shards_without_leader": missing}, status=503)
-            return web.json_response({"ready": True})
-
-        async def node(request: web.Request) -> web.Response:
-            return web.json_response(self.node_view())
-
-        async def cluster(request: web.Request) -> web.Response:
-            return web.json_response(await self.cluster_view())
-
-        async def metrics(request: web.Request) -> web.Response:
-            return web.Response(text=await self.metrics_text(), headers={"Content-Type": CONTENT_TYPE})
-
-        async def shard(request: web.Request) -> web.Response:
-            try:
-                shard_id = int(request.match_info["id"])
-            except ValueError:
-                shard_id = -1
-            if not 0 <= shard_id < self.cfg.shards:
-                return web.json_response({"error": "KeyNotFound", "message": "no such shard"}, status=404)
-            return web.json_response(await self.shard_view(shard_id))
-
-        async def keys(request: web.Request) -> web.Response:
-            from kvps_client import Client  # the node reads keys like any client would
-            try:
-                async with Client([self.cfg.node(self.node_id).admin_url], token=self.token,
-                                  timeout=5.0, ssl=self._client_ssl) as c:
-                    return web.json_response({"keys": await c.keys()})
-            except KvpsError as exc:
-                return web.json_response(exc.to_dict(), status=exc.http_status)
-
-        app.router.add_get("/healthz", healthz)
-        app.router.add_get("/readyz", readyz)
-        app.router.add_get("/metrics", metrics)
-        app.router.add_get("/v1/node", node)
-        app.router.add_get("/v1/cluster", cluster)
-        app.router.add_get("/v1/shards/{id}", shard)
-        self.snapshots.add_routes(app)
-
-        async def get_assignment(request: web.Request) -> web.Response:
-            return web.json_response(self.assignment.to_json())
-
-        app.router.add_get("/v1/assignment", get_assignment)
-        self.membership.add_routes(app)
-        async def openapi(request: web.Request) -> web.Response:
-            return web.json_response(document())
-
-        app.router.add_get("/v1/keys", keys)
-        app.router.add_get("/v1/openapi.json", openapi)
-        return app
-
-    async def metrics_text(self) -> str:
-        """This node's series plus every local replica's, as one exposition."""
-        assert self._session is not None
-        for rp in self.replicas.values():
-            up = rp.proc is not None and rp.proc.poll() is None
-            self.metrics.replica_up.labels(shard=str(rp.shard), node=str(self.node_id)).set(1 if up else 0)
-
-        async def one(rp: ReplicaProcess) -> str:
-            url = self.cfg.node(self.node_id).data_url(rp.shard) + "/metrics"
-            try:
-                async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=1.0)) as resp:
-                    return await resp.text() if resp.status == 200 else ""
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                return ""
-
-        texts = await asyncio.gather(*(one(rp) for rp in self.replicas.values()))
-        return merge_expositions([self.metrics.expose(), *texts])
-
-    async def shard_view(self, shard_id: int) -> dict[str, Any]:
-        """One shard in detail: its replicas, and the leader's view of lag, batching, hot keys."""
-        cmap = await self.cluster_view()
-        view = cmap["shards"][shard_id]
-        leader = next((r for r in view["replicas"] if r.get("role") == "leader"), None)
-        detail: dict[str, Any] = {}
-        if leader is not None:
-            assert self._session is not None
-            try:
-                async with self._session.get(
-                        leader["data_url"] + "/v1/status", headers={"Authorization": f"Bearer {self.token}"},
-                        timeout=aiohttp.ClientTimeout(total=1.0)) as resp:
-                    if resp.status == 200:
-                        detail = await resp.json()
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                pass
-        counters = detail.get("counters", {})
-        batches = counters.get("batches", 0)
-        return {**view,
-                "lag": detail.get("peers", {}),
-                "hot_keys": detail.get("hot_keys", []),
-                "in_flight_bytes": detail.get("in_flight_bytes"),
-                "batches": batches,
-                "mean_batch_pushes": round(counters.get("batched_pushes", 0) / batches, 2) if batches else None,
-                "counters": counters}
-
     async def run(self, stop: asyncio.Event) -> None:
         self._stop_event = stop
-        connector = aiohttp.TCPConnector(ssl=self._client_ssl if self._client_ssl else True)
-        self._session = aiohttp.ClientSession(connector=connector)
-        runner = web.AppRunner(self.make_app(), access_log=None)
+        await self.http.open()
+        runner = web.AppRunner(make_app(self), access_log=None)
         await runner.setup()
         me = self.cfg.node(self.node_id)
         site = web.TCPSite(runner, me.host, me.admin_port, reuse_address=True,
@@ -418,46 +264,9 @@ class Node:
             await self.snapshots.close()
             await asyncio.to_thread(self._stop_replicas)
             await runner.cleanup()
-            await self._session.close()
+            await self.http.close()
 
     def _stop_replicas(self) -> None:
         for rp in self.replicas.values():
             if rp.proc is not None:
                 stop_process(rp.proc, timeout=5.0)
-
-
-def build_cluster_map(cfg: ClusterConfig, views: list[dict[str, Any] | None],
-                      assignment: Assignment | None = None) -> dict[str, Any]:
-    """Merge per-node views into the cluster map clients route with."""
-    assignment = assignment or Assignment.initial(cfg)
-    by_replica: dict[tuple[int, int], dict] = {}
-    nodes = []
-    for node_cfg, view in zip(cfg.nodes, views):
-        nodes.append({"id": node_cfg.id, "admin_url": node_cfg.admin_url, "reachable": view is not None})
-        for rep in (view or {}).get("replicas", []):
-            by_replica[(rep["shard"], rep["node"])] = rep
-    shards = []
-    for s in range(cfg.shards):
-        reps = []
-        for n in assignment.nodes_of(s):
-            rep = by_replica.get((s, n)) or {
-                "shard": s, "node": n, "alive": False, "pid": None, "role": "unknown",
-                "raft": cfg.node(n).raft_address(s), "data_url": cfg.node(n).data_url(s),
-                "term": None, "leader": None, "commit_index": None, "applied_index": None}
-            reps.append(rep)
-        leaders = [r for r in reps if r.get("role") == "leader"]
-        leader = max(leaders, key=lambda r: r.get("term") or 0) if leaders else None
-        shards.append({
-            "id": s,
-            "leader": leader["node"] if leader else None,
-            "leader_url": leader["data_url"] if leader else None,
-            "term": max((r.get("term") or 0) for r in reps),
-            "replicas": reps,
-        })
-    return {
-        "cluster": {"shards": cfg.shards, "replicas": cfg.replicas, "block_bytes": cfg.block_bytes,
-                    "max_push_bytes": cfg.raft.max_command_bytes // 2,
-                    "assignment_version": assignment.version},
-        "nodes": nodes,
-        "shards": shards,
-    }

@@ -32,20 +32,18 @@ and drops it from the member list (its node stops that replica).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import aiohttp
 
 from kvps.assignment import Assignment
 from kvps.config import NodeConfig
-from kvps.delta import frame
+from kvps.service.http import PeerClient
 from kvps.errors import (
-    InvalidRequest, KvpsError, RetryableError, Timeout, Unavailable, error_from_dict,
+    InvalidRequest, KvpsError, RetryableError, Timeout,
 )
 
 __all__ = ["AssignmentStore", "MetaMover", "MetaStore", "MoveReport", "Mover", "Rebalancer"]
@@ -78,53 +76,10 @@ class MoveReport:
                 "caught_up_index": self.caught_up_index, "leader_moved": self.leader_moved}
 
 
-class _Http:
-    """The few admin and data-plane calls a move makes; errors become kvps errors here."""
-
-    def __init__(self, session: aiohttp.ClientSession, token: str, timeout: float = 5.0) -> None:
-        self.session = session
-        self.headers = {"Authorization": f"Bearer {token}"}
-        self.timeout = aiohttp.ClientTimeout(total=timeout)
-
-    async def json(self, method: str, url: str, body: Any = None) -> Any:
-        try:
-            async with self.session.request(method, url, json=body, headers=self.headers,
-                                            timeout=self.timeout) as resp:
-                data = await resp.read()
-                status = resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise Unavailable(f"{method} {url}: {type(exc).__name__}: {exc}", url=url) from exc
-        return _decode(status, data, url, json_body=True)
-
-    async def rpc(self, data_url: str, op: str, meta: dict) -> dict:
-        url = f"{data_url}/v1/rpc/{op}"
-        body = frame.encode(frame.KIND_REQUEST, meta)
-        try:
-            async with self.session.post(url, data=body, headers=self.headers,
-                                         timeout=self.timeout) as resp:
-                data = await resp.read()
-                status = resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise Unavailable(f"POST {url}: {type(exc).__name__}: {exc}", url=url) from exc
-        return _decode(status, data, url, json_body=False)
-
-
-def _decode(status: int, data: bytes, url: str, *, json_body: bool) -> Any:
-    if status != 200:
-        try:
-            error = error_from_dict(json.loads(data))
-        except ValueError:
-            error = Unavailable(f"{url}: HTTP {status}", url=url)
-        raise error
-    if json_body:
-        return json.loads(data)
-    return frame.decode(data, kinds=(frame.KIND_RESPONSE,)).meta
-
-
 class Mover:
     """Runs moves (see the module doc). ``nodes(id)`` gives a node's addresses."""
 
-    def __init__(self, http: _Http, store: AssignmentStore, node: Callable[[int], NodeConfig], *,
+    def __init__(self, http: PeerClient, store: AssignmentStore, node: Callable[[int], NodeConfig], *,
                  timeout: float = 300.0) -> None:
         self.http = http
         self.store = store
@@ -258,7 +213,7 @@ def _check(deadline: float, what: str) -> None:
 class MetaMover:
     """Moves a metadata replica (see the module doc); runs on the metadata leader."""
 
-    def __init__(self, http: _Http, meta: Any, node: Callable[[int], NodeConfig], shards: int, *,
+    def __init__(self, http: PeerClient, meta: Any, node: Callable[[int], NodeConfig], shards: int, *,
                  timeout: float = 300.0) -> None:
         self.http = http
         self.meta = meta

@@ -26,7 +26,7 @@ import aiohttp
 from kvps.delta import frame
 from kvps.errors import ConnectError, KvpsError, Unavailable, error_from_dict
 
-__all__ = ["PeerClient", "request_json"]
+__all__ = ["PeerClient", "request", "request_json"]
 
 Token = str | Callable[[], str]
 
@@ -88,6 +88,10 @@ class PeerClient:
         except ValueError as exc:
             raise Unavailable(f"{url}: the reply is not JSON", url=url) from exc
 
+    async def text(self, url: str, *, timeout: float | None = None) -> str:
+        """A GET whose reply is text (a Prometheus exposition)."""
+        return (await self._send("GET", url, timeout=timeout)).decode("utf-8", "replace")
+
     async def rpc(self, data_url: str, op: str, meta: dict, *, timeout: float | None = None) -> dict:
         """A data-plane call (``POST /v1/rpc/{op}`` in frames) carrying no arrays; the reply's meta."""
         url = f"{data_url}/v1/rpc/{op}"
@@ -118,23 +122,31 @@ class PeerClient:
             raise
 
 
-def request_json(method: str, url: str, body: Any = None, *, token: str | None = None,
-                 timeout: float = 10.0, cafile: str | None = None,
-                 ssl: ssl_.SSLContext | None = None) -> Any:
-    """A blocking JSON call (urllib): the decoded reply, or the kvps error it stands for."""
+def request(method: str, url: str, body: Any = None, *, token: str | None = None,
+            timeout: float = 10.0, cafile: str | None = None,
+            ssl: ssl_.SSLContext | None = None) -> bytes:
+    """A blocking call (urllib) with a JSON ``body`` (if any): the reply's bytes, or the kvps
+    error it stands for."""
     headers = {"Content-Type": "application/json"} if body is not None else {}
     if token:
         headers["Authorization"] = f"Bearer {token}"
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     context = ssl if ssl is not None else (ssl_.create_default_context(cafile=cafile) if cafile else None)
     try:
-        with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:
-            reply = resp.read()
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
+            return resp.read()
     except urllib.error.HTTPError as exc:
         raise _error_of(exc.code, exc.read(), url) from None
     except (urllib.error.URLError, OSError) as exc:
         raise ConnectError(f"cannot reach {url}: {getattr(exc, 'reason', exc)}", url=url) from exc
+
+
+def request_json(method: str, url: str, body: Any = None, *, token: str | None = None,
+                 timeout: float = 10.0, cafile: str | None = None,
+                 ssl: ssl_.SSLContext | None = None) -> Any:
+    """A blocking JSON call (urllib): the decoded reply, or the kvps error it stands for."""
+    reply = request(method, url, body, token=token, timeout=timeout, cafile=cafile, ssl=ssl)
     try:
         return json.loads(reply) if reply else None
     except ValueError as exc:
