@@ -9,14 +9,13 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from kvps.config import RaftConfig, ServerConfig
-from kvps.delta import frame
+from kvps.errors import KvpsError
 from kvps.node.local import LocalCluster
+from kvps.service.http import request_json, rpc
 from kvps.node.process import spawn, stop_process
 
 from kvps_chaos.netns import PROXY_PORT, Topology
@@ -142,11 +141,7 @@ class ChaosCluster(LocalCluster):
             self.topology.remove_node(node_id)
 
     def admin_post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        import json
-        req = urllib.request.Request(self.endpoints[0] + path, data=json.dumps(body).encode(),
-                                     method="POST", headers={"Authorization": f"Bearer {self.token}"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return json.loads(resp.read())
+        return request_json("POST", self.endpoints[0] + path, body, token=self.token, timeout=10)
 
     def replica_dir(self, node_id: int, shard: int) -> Path:
         return self.data_dir / self.cfg.node(node_id).data_dir / f"shard-{shard}"
@@ -155,17 +150,13 @@ class ChaosCluster(LocalCluster):
 
     def state_hashes(self, shard: int, timeout: float = 2.0) -> dict[int, tuple[str, int] | None]:
         """{node: (state hash, applied index)} for every replica of ``shard`` (None: no answer)."""
-        body = frame.encode(frame.KIND_REQUEST, {})
         out: dict[int, tuple[str, int] | None] = {}
         for n in self.cfg.replica_nodes(shard):
-            req = urllib.request.Request(self.cfg.node(n).data_url(shard) + "/v1/rpc/state_hash",
-                                         data=body, method="POST",
-                                         headers={"Authorization": f"Bearer {self.token}"})
             try:
-                with urllib.request.urlopen(req, timeout=timeout) as resp:
-                    meta = frame.decode(resp.read()).meta
-                    out[n] = (meta["hash"], meta["applied_index"])
-            except (OSError, ValueError, urllib.error.URLError):
+                meta = rpc(self.cfg.node(n).data_url(shard), "state_hash", {}, token=self.token,
+                           timeout=timeout)
+                out[n] = (meta["hash"], meta["applied_index"])
+            except KvpsError:
                 out[n] = None
         return out
 

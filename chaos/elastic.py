@@ -10,19 +10,17 @@ tests and the chaos fault judge alike.
 from __future__ import annotations
 
 import asyncio
-import http.client
-import json
 import os
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvps.delta import frame
+from kvps.errors import KvpsError
 from kvps.node.local import LocalCluster, wait_until
+from kvps.service.http import request_json, rpc
 
 __all__ = ["GrowShrink", "grow_and_shrink", "loads", "meta", "print_logs", "replicas_agree", "settled"]
 
@@ -31,9 +29,8 @@ def meta(cluster: LocalCluster, timeout: float = 5.0) -> dict[str, Any] | None:
     """``GET /v1/meta`` from the first initial node that answers (any node forwards it)."""
     for url in cluster.endpoints:
         try:
-            with urllib.request.urlopen(url + "/v1/meta", timeout=timeout) as r:
-                return json.loads(r.read())
-        except (OSError, ValueError, http.client.HTTPException):  # e.g. a node restarting
+            return request_json("GET", url + "/v1/meta", timeout=timeout)
+        except KvpsError:  # e.g. a node restarting
             continue
     return None
 
@@ -65,14 +62,11 @@ def settled(cluster: LocalCluster, active: Collection[int]) -> dict[str, Any] | 
 
 
 def _state_hash(url: str, token: str) -> tuple[str, int] | None:
-    req = urllib.request.Request(url + "/v1/rpc/state_hash", data=frame.encode(frame.KIND_REQUEST, {}),
-                                 method="POST", headers={"Authorization": f"Bearer {token}"})
     try:
-        with urllib.request.urlopen(req, timeout=2) as resp:
-            m = frame.decode(resp.read()).meta
-            return m["hash"], m["applied_index"]
-    except (OSError, ValueError, http.client.HTTPException):
+        m = rpc(url, "state_hash", {}, token=token, timeout=2)
+    except KvpsError:
         return None
+    return m["hash"], m["applied_index"]
 
 
 def replicas_agree(cluster: LocalCluster) -> bool:

@@ -26,7 +26,7 @@ import aiohttp
 from kvps.delta import frame
 from kvps.errors import ConnectError, KvpsError, Unavailable, error_from_dict
 
-__all__ = ["PeerClient", "request", "request_json"]
+__all__ = ["PeerClient", "request", "request_json", "rpc"]
 
 Token = str | Callable[[], str]
 
@@ -123,14 +123,15 @@ class PeerClient:
 
 
 def request(method: str, url: str, body: Any = None, *, token: str | None = None,
-            timeout: float = 10.0, cafile: str | None = None,
-            ssl: ssl_.SSLContext | None = None) -> bytes:
-    """A blocking call (urllib) with a JSON ``body`` (if any): the reply's bytes, or the kvps
-    error it stands for."""
+            timeout: float = 10.0, cafile: str | None = None, ssl: ssl_.SSLContext | None = None,
+            data: bytes | None = None) -> bytes:
+    """A blocking call (urllib) with a JSON ``body`` or raw ``data`` (if any): the reply's bytes,
+    or the kvps error it stands for."""
     headers = {"Content-Type": "application/json"} if body is not None else {}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    data = json.dumps(body).encode() if body is not None else None
+    if body is not None:
+        data = json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers=headers)
     context = ssl if ssl is not None else (ssl_.create_default_context(cafile=cafile) if cafile else None)
     try:
@@ -151,6 +152,14 @@ def request_json(method: str, url: str, body: Any = None, *, token: str | None =
         return json.loads(reply) if reply else None
     except ValueError as exc:
         raise Unavailable(f"{url}: the reply is not JSON", url=url) from exc
+
+
+def rpc(data_url: str, op: str, meta: dict, *, token: str | None = None, timeout: float = 10.0,
+        ssl: ssl_.SSLContext | None = None) -> dict:
+    """A blocking data-plane call carrying no arrays; the reply's meta."""
+    reply = request("POST", f"{data_url}/v1/rpc/{op}", token=token, timeout=timeout, ssl=ssl,
+                    data=frame.encode(frame.KIND_REQUEST, meta))
+    return frame.decode(reply, kinds=(frame.KIND_RESPONSE,)).meta
 
 
 def _error_of(status: int, data: bytes, url: str) -> KvpsError:
