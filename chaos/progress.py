@@ -1,49 +1,36 @@
-"""The progress bar of a chaos run: one redrawn line on a terminal, a line every 10 s otherwise."""
+"""The progress of a chaos run (tqdm): a bar over the run's duration with the counts so far, and
+the run's events printed above it. Off a terminal (CI logs) the bar refreshes every 10 s."""
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any, TextIO
 
-__all__ = ["Progress"]
+from tqdm import tqdm
 
-WIDTH = 30
+__all__ = ["Progress"]
 
 
 class Progress:
     def __init__(self, duration: float, *, enabled: bool = True, stream: TextIO | None = None) -> None:
-        self.duration = duration
-        self.enabled = enabled
         self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self._last_plain = -1e9
-        self._drawn = False
-
-    def _write(self, text: str) -> None:
-        if self.enabled:
-            self.stream.write(text)
-            self.stream.flush()
+        tty = self.stream.isatty()
+        self.enabled = enabled
+        self._bar = tqdm(total=round(duration), unit="s", file=self.stream, disable=not enabled,
+                         mininterval=0.5 if tty else 10.0, dynamic_ncols=tty, leave=True,
+                         bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}s{postfix}")
 
     def line(self, text: str) -> None:
-        if self._drawn:
-            self._write("\n")
-            self._drawn = False
-        self._write(text + "\n")
+        if self.enabled:
+            self._bar.write(text, file=self.stream)
 
     def event(self, text: str) -> None:
         self.line(f"  - {text}")
 
     def update(self, elapsed: float, faults: int, acked: int, failed: int) -> None:
-        frac = min(1.0, max(0.0, elapsed / self.duration)) if self.duration else 1.0
-        bar = "#" * int(frac * WIDTH) + "." * (WIDTH - int(frac * WIDTH))
-        text = (f"[{bar}] {frac * 100:3.0f}% {elapsed:5.0f}/{self.duration:.0f}s  faults {faults}  "
-                f"acked {acked}  failed ops {failed}")
-        if self.tty:
-            self._write("\r" + text)
-            self._drawn = True
-        elif time.monotonic() - self._last_plain >= 10.0:
-            self._last_plain = time.monotonic()
-            self._write(text + "\n")
+        self._bar.n = min(self._bar.total, round(elapsed))
+        self._bar.set_postfix_str(f"faults {faults}  acked {acked}  failed ops {failed}", refresh=False)
+        self._bar.refresh()
 
     def done(self, report: dict[str, Any]) -> None:
+        self._bar.close()
         self.line(f"chaos run {'PASSED' if report['ok'] else 'FAILED'} (seed {report['seed']})")

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from kvps.errors import ConnectError, KvpsError, RetryableError
 from kvps.service.http import request_json
 
@@ -93,19 +95,28 @@ def drain(args: argparse.Namespace) -> int:
     if args.no_wait:
         return 0
     deadline = time.monotonic() + args.timeout
-    last = None
-    while time.monotonic() < deadline:
-        meta = _request("GET", f"{base}/v1/meta", args.token)
-        state = meta["nodes"][args.id]["state"]
-        hosted = [s["id"] for s in meta["assignment"]["shards"] if args.id in s["nodes"]]
-        line = f"  node {args.id}: {state}, hosts shards {hosted}; moving {meta['rebalance'].get('moving')}"
-        if line != last:
-            print(line, flush=True)
-            last = line
-        if state == "removed":
-            print(f"node {args.id} removed", flush=True)
-            return 0
-        time.sleep(0.5)
+    last, bar = None, None
+    try:
+        while time.monotonic() < deadline:
+            meta = _request("GET", f"{base}/v1/meta", args.token)
+            state = meta["nodes"][args.id]["state"]
+            hosted = [s["id"] for s in meta["assignment"]["shards"] if args.id in s["nodes"]]
+            if bar is None:  # a bar over the replicas still to move
+                bar = tqdm(total=len(hosted), unit="replica", desc=f"draining node {args.id}",
+                           file=sys.stdout, disable=not sys.stdout.isatty())
+            bar.update(max(0, bar.total - len(hosted) - bar.n))
+            line = f"  node {args.id}: {state}, hosts shards {hosted}; moving {meta['rebalance'].get('moving')}"
+            if line != last:
+                bar.write(line, file=sys.stdout)
+                last = line
+            if state == "removed":
+                bar.close()
+                print(f"node {args.id} removed", flush=True)
+                return 0
+            time.sleep(0.5)
+    finally:
+        if bar is not None:
+            bar.close()
     raise KvpsError(f"node {args.id} was not drained within {args.timeout:.0f} s")
 
 

@@ -17,11 +17,13 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from kvps.demo.digits import (
     COUNTER, PREFIX, Data, TrainConfig, accuracy, baseline, load, make_model, train_worker,
@@ -63,8 +65,9 @@ class Killer:
     """Kills the serving leader of each shard once, at evenly spaced points of the run, and
     only after the previous victim's shard is serving again."""
 
-    def __init__(self, cluster: LocalCluster, total_steps: int) -> None:
+    def __init__(self, cluster: LocalCluster, total_steps: int, say: Callable[[str], None]) -> None:
         self.cluster = cluster
+        self.say = say  # a line above the progress bar
         shards = cluster.cfg.shards
         self.plan = [(total_steps * (i + 1) // (shards + 1), s) for i, s in enumerate(range(shards))]
         self.current: Kill | None = None
@@ -81,8 +84,8 @@ class Killer:
             # last polled role for a moment, so a new pid alone does not prove a new leader.
             if leader is not None and (leader.get("term") or 0) > self.current.term:
                 self.current.serving_after = now - self.current.at
-                print(f"  shard {self.current.shard} serving again after {self.current.serving_after:.2f} s "
-                      f"(new leader on node {leader['node']})", flush=True)
+                self.say(f"  shard {self.current.shard} serving again after "
+                         f"{self.current.serving_after:.2f} s (new leader on node {leader['node']})")
                 self.current = None
         elif self.plan and steps >= self.plan[0][0]:
             shard = self.plan[0][1]
@@ -94,8 +97,8 @@ class Killer:
                                 time.time())
             self.cluster.kill_pid(leader["pid"], signal.SIGKILL)
             run.kills.append(self.current)
-            print(f"  >>> step {steps}: kill -9 the leader of shard {shard} (node {leader['node']}, "
-                  f"pid {leader['pid']})", flush=True)
+            self.say(f"  >>> step {steps}: kill -9 the leader of shard {shard} (node {leader['node']}, "
+                     f"pid {leader['pid']})")
 
     @property
     def finished(self) -> bool:
@@ -140,8 +143,16 @@ class Workers:
 
 
 def _train(cluster: LocalCluster, workers: Workers, cfg: TrainConfig, total: int, deadline_s: float) -> Run:
+    tty = sys.stdout.isatty()  # off a terminal only the kills and recoveries are printed
+    with tqdm(total=total, unit="step", file=sys.stdout, disable=not tty, dynamic_ncols=True,
+              bar_format="  {l_bar}{bar}| {n_fmt}/{total_fmt} steps{postfix}") as bar:
+        return _train_with(cluster, workers, cfg, total, deadline_s, bar)
+
+
+def _train_with(cluster: LocalCluster, workers: Workers, cfg: TrainConfig, total: int,
+                deadline_s: float, bar: tqdm) -> Run:
     workers.go()
-    run, killer = Run(), Killer(cluster, total)
+    run, killer = Run(), Killer(cluster, total, lambda line: bar.write(line, file=sys.stdout))
     deadline = time.monotonic() + deadline_s
     while len(run.acked) < cfg.workers or not killer.finished:
         if time.monotonic() > deadline:
@@ -154,22 +165,22 @@ def _train(cluster: LocalCluster, workers: Workers, cfg: TrainConfig, total: int
         except queue.Empty:
             continue
         if msg[0] == "step":
-            _on_step(run, msg, total)
+            _on_step(run, msg)
+            bar.update(1)
+            if len(run.losses) % 20 == 0:
+                bar.set_postfix_str(f"loss {np.mean(run.losses[-45:]):.4f}", refresh=False)
         else:
             run.acked[msg[1]] = msg[2]
     return run
 
 
-def _on_step(run: Run, msg: tuple, total: int) -> None:
+def _on_step(run: Run, msg: tuple) -> None:
     _, _, loss, started, finished = msg
     run.losses.append(loss)
     run.finished.append(finished)
     for kill in run.kills:
         if kill.next_step_after is None and started > kill.at:
             kill.next_step_after = finished - kill.at
-    n = len(run.losses)
-    if n % max(1, total // 10) == 0:
-        print(f"  {n:5d}/{total} steps   loss {np.mean(run.losses[-45:]):.4f}", flush=True)
 
 
 def _final_state(cluster: LocalCluster, cfg: TrainConfig, data: Data) -> tuple[int, dict[str, int], float]:
