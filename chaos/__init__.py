@@ -12,14 +12,8 @@ from importlib import import_module
 from typing import Any
 
 __all__ = [
-    "UNKNOWN",
-    "ChaosOptions",
-    "CheckResult",
-    "Operation",
-    "RegisterModel",
-    "check",
-    "check_per_key",
-    "run_chaos",
+    "ChaosOptions", "CheckResult", "Operation", "RegisterModel", "UNKNOWN", "check",
+    "check_per_key", "run_chaos",
 ]
 
 _HOME = {"ChaosOptions": "runner", "run_chaos": "runner"}

@@ -13,13 +13,8 @@ from typing import Any
 from kvps_chaos.linearizability import Operation, RegisterModel, check_per_key
 
 __all__ = [
-    "availability",
-    "counter_check",
-    "failovers",
-    "linearizability",
-    "loss_falls",
-    "monotonic_reads",
-    "percentile",
+    "availability", "counter_check", "failovers", "linearizability", "loss_falls",
+    "monotonic_reads", "percentile", "raft_log_findings",
 ]
 
 SHARD_FAULTS = frozenset({"kill-leader", "pause-leader", "partition-leader", "isolate-follower",

@@ -26,7 +26,7 @@ import sys
 
 from kvps_chaos.netns import PROXY_MARK
 
-__all__ = ["DelayTable", "main", "set_delay"]
+__all__ = ["DelayTable", "main", "serve", "set_delay"]
 
 _SO_ORIGINAL_DST = 80
 _CONNECT_TIMEOUT = 5.0

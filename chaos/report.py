@@ -11,7 +11,7 @@ from typing import Any
 from kvps_chaos import checks
 from kvps_chaos.workloads import OpRecord
 
-__all__ = ["build_report", "write_report"]
+__all__ = ["build_report", "markdown", "write_report"]
 
 BIN = 1.0  # seconds per timeline bin
 

@@ -28,7 +28,7 @@ from kvps_chaos.progress import Progress
 from kvps_chaos.report import build_report, write_report
 from kvps_chaos.workloads import Workloads
 
-__all__ = ["ChaosOptions", "run_chaos"]
+__all__ = ["ChaosOptions", "RunState", "plan_faults", "resolve_mode", "run_chaos"]
 
 
 @dataclass(frozen=True)

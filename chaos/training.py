@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 
-__all__ = ["PREFIX", "command", "main"]
+__all__ = ["PREFIX", "command", "main", "train"]
 
 FEATURES, HIDDEN, CLASSES, ROWS = 32, 64, 8, 4096
 PREFIX = "train/"   # keys: train/0.weight, train/0.bias, train/2.weight, train/2.bias

@@ -27,7 +27,7 @@ from kvps.placement import block_shard
 
 from kvps_chaos.linearizability import UNKNOWN, Operation
 
-__all__ = ["LossyTransport", "OpRecord", "Workloads", "key_on_shard"]
+__all__ = ["CounterTally", "LossyTransport", "OpRecord", "Workloads", "key_on_shard"]
 
 ONE = np.ones(1, np.float32)
 

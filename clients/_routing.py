@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from kvps.errors import Unavailable
 
-__all__ = ["ClusterMap"]
+__all__ = ["ClusterMap", "is_loopback_url"]
 
 
 @dataclass

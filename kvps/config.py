@@ -14,12 +14,7 @@ from typing import Any
 from kvps.errors import ConfigError
 
 __all__ = [
-    "FSYNC_POLICIES",
-    "ClusterConfig",
-    "NodeConfig",
-    "RaftConfig",
-    "ServerConfig",
-    "dump_cluster",
+    "ClusterConfig", "FSYNC_POLICIES", "NodeConfig", "RaftConfig", "ServerConfig", "dump_cluster",
     "load_cluster",
 ]
 

@@ -22,14 +22,8 @@ import numpy as np
 from kvps.errors import InvalidRequest
 
 __all__ = [
-    "Constant",
-    "Initializer",
-    "Normal",
-    "Uniform",
-    "Zeros",
-    "initializer_from_dict",
-    "initializer_to_dict",
-    "splitmix64",
+    "Constant", "Initializer", "Normal", "Uniform", "Zeros", "initializer_from_dict",
+    "initializer_to_dict", "splitmix64", "stable_cos_2pi", "stable_log",
 ]
 
 _U64 = np.uint64

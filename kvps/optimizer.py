@@ -28,15 +28,7 @@ import numpy as np
 
 from kvps.errors import InvalidRequest
 
-__all__ = [
-    "SGD",
-    "Adagrad",
-    "Adam",
-    "Add",
-    "Optimizer",
-    "optimizer_from_dict",
-    "optimizer_to_dict",
-]
+__all__ = ["Adagrad", "Adam", "Add", "Optimizer", "SGD", "optimizer_from_dict", "optimizer_to_dict"]
 
 State = dict[str, np.ndarray]
 Step = Union[int, np.ndarray]  # int, or (n,) int64 per-row step counts

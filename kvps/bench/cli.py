@@ -23,7 +23,7 @@ from pathlib import Path
 from kvps.bench.plan import PLANS, SECTIONS, SYSTEMS, with_overrides
 from kvps.bench.progress import Progress
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 def _csv(allowed: tuple[str, ...]):

@@ -29,7 +29,7 @@ import numpy as np
 from kvps.bench.workload import Model
 from kvps.placement import block_shard
 
-__all__ = ["failover"]
+__all__ = ["failover", "replica_status", "serving_leader"]
 
 STALL_HORIZON = 5.0  # s after a kill in which a trainer step counts as affected
 BASELINE_STEPS = 5   # undisturbed trainer steps before the first kill

@@ -19,7 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["StepWindow", "Window", "run_workers", "steps_in_window", "worker_loop"]
+__all__ = [
+    "StepWindow", "Window", "process_cpu_seconds", "run_workers", "steps_in_window", "summarize",
+    "worker_loop",
+]
 
 
 @dataclass(frozen=True)

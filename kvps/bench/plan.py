@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, replace
 
 from kvps.bench.workload import Model
 
-__all__ = ["PLANS", "SECTIONS", "SYSTEMS", "Plan"]
+__all__ = ["PLANS", "Plan", "SECTIONS", "SYSTEMS", "with_overrides"]
 
 KiB, MiB = 1 << 10, 1 << 20
 SECTIONS = ("b1", "b2", "b3", "b4", "b5")

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from kvps.bench.harness import StepWindow, Window, worker_loop
 from kvps.bench.workload import LR, Model
 
-__all__ = ["rpc_missing_reason", "rpc_worker", "start_rpc_server"]
+__all__ = ["get_params", "push_grads", "rpc_missing_reason", "rpc_worker", "start_rpc_server"]
 
 _STATE: _ParameterServer | None = None  # only ever set inside the server process
 

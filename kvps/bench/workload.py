@@ -19,7 +19,7 @@ import numpy as np
 
 from kvps.bench.harness import StepWindow, Window, steps_in_window, worker_loop
 
-__all__ = ["LR", "Model", "inmem_baseline", "kvps_worker"]
+__all__ = ["LR", "Model", "create_model", "inmem_baseline", "kvps_worker"]
 
 LR = 1e-4  # every system applies value -= LR * grad (kvps: SGD on the leader)
 

@@ -25,6 +25,8 @@ from kvps.config import FSYNC_POLICIES, RaftConfig
 from kvps.errors import KvpsError
 from kvps.service.lifecycle import setup_logging
 
+__all__ = ["build_parser", "main"]
+
 DEFAULT_ENDPOINT = "http://127.0.0.1:7100"
 
 

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from kvps.errors import ConnectError, KvpsError, RetryableError
 from kvps.service.http import request_json
 
-__all__ = ["main"]
+__all__ = ["drain", "join", "main"]
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:7100"
 

@@ -17,7 +17,7 @@ import numpy as np
 from kvps.errors import KvpsError
 from kvps.service.http import request, request_json
 
-__all__ = ["add_parser", "export_snapshot", "run"]
+__all__ = ["add_parser", "export_snapshot", "format_list", "run", "snapshot_state_dict"]
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:7100"
 

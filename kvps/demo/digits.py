@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["TrainConfig", "accuracy", "baseline", "load", "make_model", "train_worker"]
+__all__ = ["TrainConfig", "accuracy", "baseline", "batches", "load", "make_model", "train_worker"]
 
 PREFIX = "digits/"
 COUNTER = "demo/steps"  # Add counter: +1 per acknowledged step (exactly-once check)

@@ -30,7 +30,7 @@ from kvps.demo.digits import (
 )
 from kvps.node.local import LocalCluster, wait_until
 
-__all__ = ["main"]
+__all__ = ["Kill", "Killer", "Run", "Workers", "main"]
 
 TOLERANCE = 1.0  # accuracy points the faulty distributed run may lose against the baseline
 QUICK_TOLERANCE = 6.0  # a 3-epoch run is under-trained: staleness costs it a few points

@@ -22,7 +22,9 @@ from kvps.errors import KvpsError, Unavailable
 from kvps.service.http import request_json
 from kvps.node.process import python_module_args, spawn, stop_process
 
-__all__ = ["LocalCluster", "free_port_base", "ports_free", "wait_until"]
+__all__ = [
+    "LocalCluster", "free_port_base", "make_config", "ports_free", "ports_needed", "wait_until",
+]
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, period: float = 0.05) -> Any:
@@ -67,7 +69,7 @@ def free_port_base(count: int, *, seed: int | None = None) -> int:
     Below the ephemeral range when it leaves room: a port a replica gives up (its replica moved
     away) can otherwise become the local port of some process's long-lived outgoing connection,
     and the replica that moves back to it cannot bind for as long as that connection lives (seen
-    in tests/test_elastic.py, a replica retrying its bind for minutes)."""
+    in tests/cluster/test_elastic.py, a replica retrying its bind for minutes)."""
     import random
     rng = random.Random(seed if seed is not None else os.getpid() ^ time.monotonic_ns())
     low, high = 10000, min(_ephemeral_low(), 60000)

@@ -27,7 +27,7 @@ from kvps.meta import MetaState, meta_address
 from kvps.raft import bridge, recovery
 from kvps.raft.group import ShardGroup
 
-__all__ = ["MetaService"]
+__all__ = ["MetaService", "NodeMembership"]
 
 log = logging.getLogger("kvps.meta")
 

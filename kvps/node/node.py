@@ -33,7 +33,7 @@ from kvps.raft import recovery
 from kvps.node.snapshot_api import SnapshotService
 from kvps.service.http import PeerClient
 
-__all__ = ["Node"]
+__all__ = ["Node", "ReplicaProcess"]
 
 log = logging.getLogger("kvps.node")
 

@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 document for the node admin API and the replica data API.
 
-Served at ``GET /v1/openapi.json`` by every node. ``tests/test_openapi.py`` checks it against the
+Served at ``GET /v1/openapi.json`` by every node. ``tests/admin/test_admin.py`` checks it against the
 real routers (every route documented, nothing documented that is not served) and validates live
 responses against the schemas here, so the document cannot drift from the handlers.
 """

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["spawn", "stop_process", "python_module_args"]
+__all__ = ["python_module_args", "spawn", "stop_process"]
 
 _PR_SET_PDEATHSIG = 1
 

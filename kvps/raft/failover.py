@@ -43,7 +43,7 @@ pysyncobj checks the deadline once per tick; its tick thread polls at most 50 ms
 (``autoTickPeriod``) when no socket is busy, so keep ``stagger`` above that. The one pysyncobj
 internal used is ``SyncObj.__raftElectionDeadline`` (``kvps.raft.internals``; also used by
 ``membership.hold_elections``), compared with ``pysyncobj.monotonic.monotonic()`` in
-``SyncObj._onTick``; tests/test_raft_pin.py checks both.
+``SyncObj._onTick``; tests/raft/test_raft_pin.py checks both.
 """
 from __future__ import annotations
 

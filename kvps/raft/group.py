@@ -86,7 +86,7 @@ _NEVER = 10.0 ** 9  # "no time-based compaction": compaction is by bytes and ent
 
 def syncobj_options(raft: RaftConfig, journal_dir: Path) -> dict[str, Any]:
     """``SyncObjConf`` keyword arguments for ``raft`` (SyncObjConf ignores unknown names silently:
-    tests/test_raft_pin.py checks that every one of these still exists)."""
+    tests/raft/test_raft_pin.py checks that every one of these still exists)."""
     return {
         "password": None,
         "appendEntriesUseBatch": False,

@@ -29,13 +29,8 @@ from kvps.raft.wire import (
 )
 
 __all__ = [
-    "AUTHENTICATED",
-    "AWAIT_CHALLENGE",
-    "AWAIT_HELLO",
-    "AWAIT_RESPONSE",
-    "TCP_CONNECTING",
-    "Handshake",
-    "HandshakeRejected",
+    "AUTHENTICATED", "AWAIT_CHALLENGE", "AWAIT_HELLO", "AWAIT_RESPONSE", "Handshake",
+    "HandshakeRejected", "TCP_CONNECTING",
 ]
 
 TCP_CONNECTING = 0  # outgoing: waiting for the TCP connect to complete

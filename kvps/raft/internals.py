@@ -4,7 +4,7 @@ pysyncobj offers no public way to do a few things kvps must do (DESIGN section 4
 and log a follower holds, move its election deadline, queue our own entry bytes, replace its
 journal and its connection classes. Those reach into its internals, and an upgrade may move any of
 them without notice. So this module is the one place that names them: every other module calls
-the accessor below instead, ``tests/test_raft_pin.py`` pins each name against the pinned
+the accessor below instead, ``tests/raft/test_raft_pin.py`` pins each name against the pinned
 pysyncobj (``test_every_private_name_still_exists``) and fails if a module other than this one
 names one (``test_only_internals_touches_pysyncobj_private_names``).
 

@@ -76,7 +76,7 @@ from kvps.raft.meta_file import META_MAGIC, MetaFile
 from kvps.raft.threads import name_native_thread
 
 # MAGIC, META_MAGIC and VERSION are the formats' own (journal_file, meta_file), named here too.
-__all__ = ["MAGIC", "META_MAGIC", "VERSION", "RaftJournal", "using_journal"]
+__all__ = ["MAGIC", "META_MAGIC", "RaftJournal", "VERSION", "using_journal"]
 
 logger = logging.getLogger("kvps.raft")
 

@@ -55,8 +55,10 @@ import xxhash
 from kvps.errors import CodecError
 from kvps.raft import disk
 
-__all__ = ["CHECKED", "CRC", "HEADER", "MAGIC", "RECORD", "VERSION", "Entry", "Records", "header",
-           "open_file", "read_records", "record_sum"]
+__all__ = [
+    "CHECKED", "CRC", "Entry", "HEADER", "MAGIC", "RECORD", "Records", "VERSION", "header",
+    "open_file", "read_records", "record_sum",
+]
 
 logger = logging.getLogger("kvps.raft")
 

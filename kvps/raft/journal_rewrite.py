@@ -55,7 +55,7 @@ from kvps.raft import disk
 from kvps.raft.journal_file import HEADER, header
 from kvps.raft.threads import name_native_thread
 
-__all__ = ["NOT_TRUNCATED", "JournalRewrite"]
+__all__ = ["JournalRewrite", "NOT_TRUNCATED"]
 
 NOT_TRUNCATED = 1 << 63  # RaftJournal._truncated when nothing was truncated
 _CATCH_UP_BYTES = 1 << 20  # a rewrite switches files (under the lock) once this little is left

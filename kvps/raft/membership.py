@@ -24,7 +24,7 @@ What pysyncobj 0.3.17 does, and what that asks of callers:
 
 ``transferLeadership`` reads and writes SyncObj state and sends on the transport, which only the
 tick thread may do: it is run from a tick callback (``_TickCalls``), never from the caller's thread.
-tests/test_membership.py pins the pysyncobj behaviour used here; its private names are reached
+tests/cluster/test_membership.py pins the pysyncobj behaviour used here; its private names are reached
 through ``kvps.raft.internals``.
 """
 from __future__ import annotations

@@ -133,7 +133,7 @@ class Recovery:
 
     def check(self, group: Any) -> bool:
         """End recovery once caught up (the module docstring's (a) and (b)); True when it ended
-        now. Uses pysyncobj internals (``kvps.raft.internals``, pinned by tests/test_raft_pin.py)."""
+        now. Uses pysyncobj internals (``kvps.raft.internals``, pinned by tests/raft/test_raft_pin.py)."""
         if not self.active or self._heard is None:
             return False
         term = internals.current_term(group)

@@ -1,8 +1,8 @@
 """Two patches to pysyncobj's log replication, applied by the transport (which sees both sides).
 
 Pure: no socket, no thread; ``AuthTransport`` calls these around ``TCPTransport``'s own send and
-receive paths. ``tests/test_raft_pin.py`` guards the SyncObj code they rely on;
-``tests/test_raft_group.py`` checks that followers receive each entry once and that a stale append
+receive paths. ``tests/raft/test_raft_pin.py`` guards the SyncObj code they rely on;
+``tests/raft/test_raft_group.py`` checks that followers receive each entry once and that a stale append
 truncates nothing.
 
 **Leader: keep nextIndex from moving backwards** (``AppendPipeline``). With

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from kvps.errors import CodecError
 
-__all__ = ["MAGIC", "VERSION", "RaftSnapshot", "read", "write", "write_buffers"]
+__all__ = ["MAGIC", "RaftSnapshot", "VERSION", "read", "write", "write_buffers"]
 
 MAGIC = b"KVPSRSNP"
 VERSION = 1

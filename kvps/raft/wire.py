@@ -1,6 +1,6 @@
 """The Raft peer wire format: frames, message bodies, the no-globals unpickler, the handshake MAC.
 
-Pure: no socket, no thread, no clock, no pysyncobj (tests/test_raft_transport.py imports it in a
+Pure: no socket, no thread, no clock, no pysyncobj (tests/raft/test_raft_transport.py imports it in a
 fresh interpreter and checks). ``kvps.raft.connection`` moves these bytes over sockets.
 
 Every frame is ``<I`` body length, then the body. Before authentication a body is a raw

@@ -30,7 +30,7 @@ from kvps.placement import DenseLayout
 from kvps.replica.metrics import CONTENT_TYPE
 from kvps.replica.replica import Replica
 
-__all__ = ["OPEN_ROUTES", "make_app", "request_id_of"]
+__all__ = ["OPEN_ROUTES", "error_response", "make_app", "request_id_of"]
 
 log = logging.getLogger("kvps.dataplane")
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from kvps.delta.frame import Frame
     from kvps.replica.replica import Replica
 
-__all__ = ["membership_rpc"]
+__all__ = ["describe", "membership_rpc"]
 
 _ADDRESS = re.compile(r"^[A-Za-z0-9.\-\[\]:]{1,200}:\d{1,5}$")
 

@@ -2,7 +2,7 @@
 # The GPU checks of kvps_client.torch, in at most five minutes: copies on non-default streams while
 # the default stream is busy, the pinned pool, AMP (autocast + GradScaler on CUDA), bf16, sparse
 # embedding gradients and kvps Embedding lookups on the GPU, and (with two GPUs) a model split
-# over both and no stray CUDA context on GPU 0. It runs tests/test_torch_cuda.py against a local
+# over both and no stray CUDA context on GPU 0. It runs tests/client/test_torch_cuda.py against a local
 # cluster that the tests start and stop themselves.
 #
 #   tests/gpu/check.sh                  # with this checkout's .venv (make install)
@@ -28,5 +28,5 @@ for i in range(torch.cuda.device_count()):
 PYEOF
 
 start=$(date +%s)
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_torch_cuda.py "$@"
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/client/test_torch_cuda.py "$@"
 echo "GPU checks passed in $(( $(date +%s) - start )) s"

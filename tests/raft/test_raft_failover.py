@@ -1,5 +1,5 @@
 """Fast failover's parts on their own: the election delay, the deadline rule, the follower's
-decision, and the transport's port probe (tests/test_raft_group.py runs them in real groups)."""
+decision, and the transport's port probe (tests/raft/test_raft_group.py runs them in real groups)."""
 from __future__ import annotations
 
 import random

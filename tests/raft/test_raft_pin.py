@@ -51,7 +51,7 @@ def params(func) -> list[str]:
 
 def test_version_is_pinned():
     assert VERSION == "0.3.17"
-    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert '"pysyncobj==0.3.17"' in pyproject
 
 

@@ -1,7 +1,7 @@
 """Frame format: bit-exact round trips, determinism, the documented layout, golden files.
 
 Regenerate the golden files (only after a deliberate format change, with a new version):
-    KVPS_REGEN_GOLDEN=1 .venv/bin/pytest tests/test_frame.py -k golden
+    KVPS_REGEN_GOLDEN=1 .venv/bin/pytest tests/unit/test_frame.py -k golden
 """
 from __future__ import annotations
 
