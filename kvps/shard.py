@@ -9,7 +9,12 @@ effects (new block versions to remember, a snapshot file to write, acknowledgeme
 Reads (``describe``, ``read_blocks``, ``read_rows``, ...) and the leader's pre-checks
 (``check_push``, ``check_set``) are not part of apply and raise or return errors as documented.
 
-Dense keys are ``kvps.dense``; table rows are updated in place (see ``kvps.table``).
+Dense keys are ``kvps.dense``; table rows are updated in place (see ``kvps.table``); the rules a
+push or a set must meet are ``kvps.validation``; the user-snapshot catalog is ``kvps.catalog``.
+
+Past the house's ~450 lines, on purpose: this is the one state machine of a shard, and its apply
+handlers, the reads of what they wrote and the snapshot format of all of it are kept in one place
+(h11's "everything that affects the state machine lives in this file").
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from kvps.applied import AppliedTable, Result
 from kvps.catalog import SnapshotCatalog
 from kvps.clocks import ClockTable
 from kvps.command import (
-    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Hyperparams, Push, PushId, Set,
+    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Hyperparams, Push, Set,
     SetRows, SnapshotStep,
 )
 from kvps.delta import frame
@@ -37,7 +42,8 @@ from kvps.machine import (
     ReleaseAcknowledgements, RememberBlocks, WriteSnapshotFile,
 )
 from kvps.hyper import HyperTable
-from kvps.merge import PushRequest, is_finite
+from kvps.merge import PushRequest
+from kvps import validation
 from kvps.table import Table
 
 __all__ = ["ShardState"]
@@ -207,9 +213,9 @@ class ShardState:
                 return {"results": {pid: r if r is not None else
                                     Unavailable("duplicate in merged entry; retry", client=pid[0], seq=pid[1])
                                     for pid, r in found.items()}}
-        bad = self._push_errors(cmd)
+        bad = validation.push_errors(self._keys, self.shard, cmd)
         if bad:
-            return {"results": _rejected(cmd.pushes, bad)}
+            return {"results": validation.rejected(cmd.pushes, bad)}
         dense = [(self._keys[d.key], d.block, self._keys[d.key].step_block(d.block, d.grad, d.count))
                  for d in cmd.dense]  # type: ignore[union-attr]
         rows = [(self._keys[r.key], self._keys[r.key].plan(r.ids, r.grads, r.counts))  # type: ignore[union-attr]
@@ -229,47 +235,12 @@ class ShardState:
         return Applied({"results": results},
                        tuple(e for k, b, blk in dense for e in _remember(k.key, [(b, blk)])))
 
-    def _push_errors(self, cmd: Push) -> dict[str, KvpsError]:
-        """The first error per bad key of ``cmd`` (empty: everything fits)."""
-        bad: dict[str, KvpsError] = {}
-        seen: set = set()
-        for d in cmd.dense:
-            err = self._dense_error(d.key, d.block, d.grad, seen)
-            if err is not None:
-                bad.setdefault(d.key, err)
-        for r in cmd.rows:
-            err = self._rows_error(r.key, r.ids, r.grads, seen)
-            if err is not None:
-                bad.setdefault(r.key, err)
-        for key in sorted({k for p in cmd.pushes for k in p.keys} - set(self._keys)):
-            bad.setdefault(key, KeyNotFound(f"no key {key!r} on shard {self.shard}", key=key))
-        return bad
+    def check_push(self, req: PushRequest, nonfinite: str = "reject") -> KvpsError | None:
+        """The leader's pre-check of a push (``kvps.validation``)."""
+        return validation.check_push(self._keys, self.shard, req, nonfinite)
 
-    def _dense_error(self, key: str, block: Any, grad: Any, seen: set) -> KvpsError | None:
-        err = self._kind_error(key, "dense")
-        if err is None and (key, block) in seen:
-            err = InvalidRequest(f"block {block} of {key!r} appears twice", key=key)
-        seen.add((key, block))
-        return err or self._keys[key].check_block(block, grad)  # type: ignore[union-attr]
-
-    def _rows_error(self, key: str, ids: Any, grads: Any, seen: set | None) -> KvpsError | None:
-        """``seen`` None: the table may appear more than once (a client push; merge sums them)."""
-        err = self._kind_error(key, "table")
-        if err is None and seen is not None and key in seen:
-            err = InvalidRequest(f"table {key!r} appears twice", key=key)
-        if err is None and (not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.ndim != 1):
-            err = InvalidRequest("row ids must be a 1-d int64 array", key=key)
-        if seen is not None:
-            seen.add(key)
-        return err or self._keys[key].check_rows(ids, grads)  # type: ignore[union-attr]
-
-    def _kind_error(self, key: str, kind: str) -> KvpsError | None:
-        entry = self._keys.get(key)
-        if entry is None:
-            return KeyNotFound(f"no key {key!r} on shard {self.shard}", key=key)
-        if entry.kind != kind:
-            return InvalidRequest(f"{key!r} is a {entry.kind} key, not a {kind} one", key=key)
-        return None
+    def check_set(self, cmd: Set, nonfinite: str = "reject") -> KvpsError | None:
+        return validation.check_set(self._keys, self.shard, cmd, nonfinite)
 
     def _set(self, cmd: Set) -> Any:
         if self.dedup:
@@ -407,41 +378,6 @@ class ShardState:
         modes = {} if err is not None else {k: self._keys[k].merge for k in req.keys()}
         return err, self.lookup_push(req.client, req.seq), modes
 
-    def check_push(self, req: PushRequest, nonfinite: str = "reject") -> KvpsError | None:
-        try:
-            PushId(req.client, req.seq, req.floor, req.keys())
-        except InvalidRequest as exc:
-            return exc
-        if not req.dense and not req.rows:
-            return InvalidRequest("empty push")
-        seen: set = set()
-        for key, block, grad in req.dense:
-            err = self._dense_error(key, block, grad, seen)
-            if err is not None:
-                return err
-        for key, ids, grads in req.rows:
-            err = self._rows_error(key, ids, grads, None)
-            if err is not None:
-                return err
-        if nonfinite == "reject" and not is_finite(req):
-            return InvalidRequest("gradient contains NaN or Inf", client=req.client, seq=req.seq)
-        return None
-
-    def check_set(self, cmd: Set, nonfinite: str = "reject") -> KvpsError | None:
-        err = self._kind_error(cmd.key, "dense")
-        if err is not None:
-            return err
-        if not cmd.blocks:
-            return InvalidRequest("a set names at least one block", key=cmd.key)
-        entry: DenseKey = self._keys[cmd.key]  # type: ignore[assignment]
-        for b, arr in cmd.blocks:
-            err = entry.check_block(b, arr)
-            if err is not None:
-                return err
-            if nonfinite == "reject" and not bool(np.isfinite(arr).all()):
-                return InvalidRequest("value contains NaN or Inf", key=cmd.key, block=b)
-        return None
-
     # ---- snapshot -------------------------------------------------------------------------------
 
     def snapshot(self) -> bytes:
@@ -515,18 +451,6 @@ def _remember(key: str, blocks: list[tuple[int, Block]]) -> tuple[RememberBlocks
     if not blocks:
         return ()
     return (RememberBlocks(tuple((key, b, blk.version, blk.value) for b, blk in blocks)),)
-
-
-def _rejected(pushes: tuple[PushId, ...], bad: dict[str, KvpsError]) -> dict:
-    """Results for an entry that applies nothing: ids naming a bad key get its error, the others
-    (innocent, merged with them) a retryable error. Nothing is recorded."""
-    culprits = {(p.client, p.seq): next((bad[k] for k in p.keys if k in bad), None) for p in pushes}
-    if all(e is None for e in culprits.values()):  # no id names the bad key: blame the entry
-        first = next(iter(bad.values()))
-        return {pid: first for pid in culprits}
-    return {pid: err if err is not None else
-            Unavailable("merged entry rejected because of another push; retry", client=pid[0], seq=pid[1])
-            for pid, err in culprits.items()}
 
 
 def _entry_from_parts(meta: dict, arrays: list[np.ndarray]) -> tuple[Entry, int]:
