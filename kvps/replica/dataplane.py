@@ -12,7 +12,6 @@ import logging
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 import numpy as np
 from aiohttp import web
@@ -24,6 +23,7 @@ from kvps.command import (
 from kvps.delta import frame, lossy
 from kvps.errors import InvalidRequest, KeyNotFound, KvpsError, RequestTooLarge, Timeout
 from kvps.delta.xor import xor_delta
+from kvps.replica import requests as rq
 from kvps.replica.membership import membership_rpc
 from kvps.merge import PushRequest, content_digest
 from kvps.placement import DenseLayout
@@ -165,62 +165,14 @@ async def _send_parts(request: web.Request, parts: list, request_id: str) -> web
     return resp
 
 
-# ---- meta accessors: malformed input is InvalidRequest, never a KeyError/TypeError --------------
-
-def _field(meta: dict, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
-    if name not in meta:
-        if default is ...:
-            raise InvalidRequest(f"missing field {name!r}", field=name)
-        return default
-    value = meta[name]
-    if isinstance(value, bool) and kind in (int, float):
-        raise InvalidRequest(f"field {name!r} must be {getattr(kind, '__name__', kind)}", field=name)
-    if not isinstance(value, kind):
-        raise InvalidRequest(f"field {name!r} has the wrong type", field=name)
-    return value
-
-
-def _array(req: frame.Frame, index: Any) -> np.ndarray:
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(req.arrays):
-        raise InvalidRequest(f"bad array index {index!r}")
-    return req.arrays[index]
-
-
-def _key(meta: dict) -> str:
-    key = _field(meta, "key", str)
-    if not key or len(key) > 1024:
-        raise InvalidRequest("key must be 1-1024 characters", field="key")
-    return key
-
-
-def _items(meta: dict, name: str) -> list[dict]:
-    items = _field(meta, name, list, [])
-    if not all(isinstance(it, dict) for it in items):
-        raise InvalidRequest(f"{name!r} must be a list of objects", field=name)
-    return items
-
-
-def _blocks(req: frame.Frame) -> tuple[tuple[int, np.ndarray], ...]:
-    return tuple((_field(it, "block", int), _array(req, it.get("array")))
-                 for it in _items(req.meta, "blocks"))
-
-
-def _client_ids(meta: dict) -> tuple[str, int, int]:
-    client = _field(meta, "client", str)
-    seq, floor = _field(meta, "seq", int), _field(meta, "floor", int)
-    if not client or len(client) > 128 or seq < 0 or floor < 0 or floor > seq:
-        raise InvalidRequest("bad push id (client, seq, floor)")
-    return client, seq, floor
-
-
 # ---- handlers -------------------------------------------------------------------------------------
 
 async def _push(replica: Replica, req: frame.Frame):
-    client, seq, floor = _client_ids(req.meta)
-    dense = tuple((_key(it), _field(it, "block", int), _dense_grad(replica.describe, req, it))
-                  for it in _items(req.meta, "dense"))
-    rows = tuple((_key(it), _array(req, it.get("ids")), _row_grads(replica.describe, req, it))
-                 for it in _items(req.meta, "rows"))
+    client, seq, floor = rq.client_ids(req.meta)
+    dense = tuple((rq.key(it), rq.field(it, "block", int), _dense_grad(replica.describe, req, it))
+                  for it in rq.items(req.meta, "dense"))
+    rows = tuple((rq.key(it), rq.array(req, it.get("ids")), _row_grads(replica.describe, req, it))
+                 for it in rq.items(req.meta, "rows"))
     if not dense and not rows:
         raise InvalidRequest("empty push")
     result = await replica.push(PushRequest(client, seq, floor, dense, rows,
@@ -233,45 +185,45 @@ Describe = Callable[[str], dict]  # a key's description (its dtype, blocks, layo
 
 def _dense_grad(describe: Describe, req: frame.Frame, it: dict) -> np.ndarray:
     """A dense gradient part, decoded to the key's dtype if a lossy codec sent it."""
-    encoding = _field(it, "encoding", str, "raw")
+    encoding = rq.field(it, "encoding", str, "raw")
     if encoding == "raw":
-        return _array(req, it.get("array"))
-    key, block = _key(it), _field(it, "block", int)
+        return rq.array(req, it.get("array"))
+    key, block = rq.key(it), rq.field(it, "block", int)
     if encoding in ("fp16", "bf16"):
-        return lossy.widen(_array(req, it.get("array")), encoding,
+        return lossy.widen(rq.array(req, it.get("array")), encoding,
                            np.dtype(describe(key)["dtype"]), repr(key))
     if encoding == "topk":
         info = describe(key)
         if info.get("kind") != "dense" or block not in info.get("blocks", []):
             raise InvalidRequest(f"block {block} of {key!r} is not on this shard", key=key)
         layout = DenseLayout(tuple(info["shape"]), info["dtype"], info["block_rows"])
-        return lossy.topk_expand(_array(req, it.get("idx")), _array(req, it.get("array")),
+        return lossy.topk_expand(rq.array(req, it.get("idx")), rq.array(req, it.get("array")),
                                  layout.block_shape(block), np.dtype(info["dtype"]), repr(key))
     raise InvalidRequest(f"unknown gradient encoding {encoding!r}", field="encoding")
 
 
 def _row_grads(describe: Describe, req: frame.Frame, it: dict) -> np.ndarray:
-    encoding = _field(it, "encoding", str, "raw")
-    grads = _array(req, it.get("grads"))
+    encoding = rq.field(it, "encoding", str, "raw")
+    grads = rq.array(req, it.get("grads"))
     if encoding == "raw":
         return grads
-    return lossy.widen(grads, encoding, np.dtype(describe(_key(it))["dtype"]), repr(_key(it)))
+    return lossy.widen(grads, encoding, np.dtype(describe(rq.key(it))["dtype"]), repr(rq.key(it)))
 
 
 async def _pull(replica: Replica, req: frame.Frame):
-    consistency = _field(req.meta, "consistency", str, "leader")
-    deltas = _field(req.meta, "delta", bool, False)
+    consistency = rq.field(req.meta, "consistency", str, "leader")
+    deltas = rq.field(req.meta, "delta", bool, False)
     full_codec = req.meta.get("accept_codec", "none")
     if full_codec not in ("none", "lz4", "shuffle-lz4", "auto"):
         full_codec = "none"
     items = []
     wanted: dict[tuple[str, int], int] = {}
-    for it in _items(req.meta, "dense"):
-        key, blocks = _key(it), _field(it, "blocks", list)
-        have = _field(it, "have", list, [None] * len(blocks))
+    for it in rq.items(req.meta, "dense"):
+        key, blocks = rq.key(it), rq.field(it, "blocks", list)
+        have = rq.field(it, "have", list, [None] * len(blocks))
         if len(have) != len(blocks) or not all(isinstance(b, int) for b in blocks):
             raise InvalidRequest("'blocks' and 'have' must be lists of equal length", key=key)
-        min_version = _field(it, "min_version", int, 0)
+        min_version = rq.field(it, "min_version", int, 0)
         if min_version:
             wanted.update({(key, b): min_version for b in blocks})
         items.append((key, blocks, have))
@@ -300,14 +252,14 @@ async def _pull(replica: Replica, req: frame.Frame):
 async def _pull_rows(replica: Replica, req: frame.Frame):
     """Rows ``ids``; with ``have`` (the versions the caller holds, -1 for none) only the rows
     whose version differs come back, with their positions in ``ids``."""
-    key = _key(req.meta)
-    ids = _array(req, req.meta.get("ids"))
-    await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
+    key = rq.key(req.meta)
+    ids = rq.array(req, req.meta.get("ids"))
+    await replica.before_read(rq.field(req.meta, "consistency", str, "leader"), {})
     if "have" not in req.meta:
         values, versions = replica.host.lookup(lambda s: s.read_rows(key, ids))
         replica.stats.count_pull(values.nbytes)
         return {"rows": 0, "versions": 1}, (values, versions)
-    have = _array(req, req.meta.get("have"))
+    have = rq.array(req, req.meta.get("have"))
     if have.shape != ids.shape or have.dtype != np.int64:
         raise InvalidRequest("'have' must be int64 versions, one per id", key=key)
     current, values = replica.host.lookup(lambda s: _changed_rows(s, key, ids, have))
@@ -319,74 +271,74 @@ async def _pull_rows(replica: Replica, req: frame.Frame):
 
 async def _stored_rows(replica: Replica, req: frame.Frame):
     """Every written row of a table on this shard (for export)."""
-    key = _key(req.meta)
-    await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
+    key = rq.key(req.meta)
+    await replica.before_read(rq.field(req.meta, "consistency", str, "leader"), {})
     ids, values = replica.host.lookup(lambda s: s.stored_rows(key))
     replica.stats.count_pull(values.nbytes)
     return {"ids": 0, "rows": 1}, (ids, values)
 
 
 async def _set_rows(replica: Replica, req: frame.Frame):
-    cmd = SetRows(key=_key(req.meta), ids=_array(req, req.meta.get("ids")),
-                  values=_array(req, req.meta.get("rows")))
+    cmd = SetRows(key=rq.key(req.meta), ids=rq.array(req, req.meta.get("ids")),
+                  values=rq.array(req, req.meta.get("rows")))
     return await replica.write(cmd), ()
 
 
 async def _create_key(replica: Replica, req: frame.Frame):
     m = req.meta
-    shape = _field(m, "shape", list)
-    cmd = CreateKey(key=_key(m), shape=tuple(shape), dtype=_field(m, "dtype", str),
-                    block_rows=_field(m, "block_rows", int), optimizer=_field(m, "optimizer", dict),
-                    merge=_field(m, "merge", str, "sum"), blocks=_blocks(req))
+    shape = rq.field(m, "shape", list)
+    cmd = CreateKey(key=rq.key(m), shape=tuple(shape), dtype=rq.field(m, "dtype", str),
+                    block_rows=rq.field(m, "block_rows", int), optimizer=rq.field(m, "optimizer", dict),
+                    merge=rq.field(m, "merge", str, "sum"), blocks=rq.blocks(req))
     return await replica.write(cmd), ()
 
 
 async def _create_table(replica: Replica, req: frame.Frame):
     m = req.meta
-    cmd = CreateTable(key=_key(m), dim=_field(m, "dim", int), dtype=_field(m, "dtype", str),
-                      optimizer=_field(m, "optimizer", dict), init=_field(m, "init", dict),
-                      merge=_field(m, "merge", str, "sum"))
+    cmd = CreateTable(key=rq.key(m), dim=rq.field(m, "dim", int), dtype=rq.field(m, "dtype", str),
+                      optimizer=rq.field(m, "optimizer", dict), init=rq.field(m, "init", dict),
+                      merge=rq.field(m, "merge", str, "sum"))
     return await replica.write(cmd), ()
 
 
 async def _delete_key(replica: Replica, req: frame.Frame):
-    return await replica.write(DeleteKey(key=_key(req.meta))), ()
+    return await replica.write(DeleteKey(key=rq.key(req.meta))), ()
 
 
 async def _set(replica: Replica, req: frame.Frame):
-    client, seq, floor = _client_ids(req.meta)
-    expected = _field(req.meta, "expected_version", (int, type(None)), None)
-    cmd = Set(now=replica.cluster_time.now(), client=client, seq=seq, floor=floor, key=_key(req.meta),
-              blocks=_blocks(req), expected_version=expected)
+    client, seq, floor = rq.client_ids(req.meta)
+    expected = rq.field(req.meta, "expected_version", (int, type(None)), None)
+    cmd = Set(now=replica.cluster_time.now(), client=client, seq=seq, floor=floor, key=rq.key(req.meta),
+              blocks=rq.blocks(req), expected_version=expected)
     result = await replica.write(cmd)
     return {"versions": result["versions"]}, ()
 
 
 async def _clock_tick(replica: Replica, req: frame.Frame):
     m = req.meta
-    cmd = ClockTick(now=replica.cluster_time.now(), job=_field(m, "job", str), worker=_field(m, "worker", str),
-                    step=_field(m, "step", int), lease_s=_field(m, "lease_s", (int, float)))
+    cmd = ClockTick(now=replica.cluster_time.now(), job=rq.field(m, "job", str), worker=rq.field(m, "worker", str),
+                    step=rq.field(m, "step", int), lease_s=rq.field(m, "lease_s", (int, float)))
     return await replica.write(cmd), ()
 
 
 async def _hyperparams(replica: Replica, req: frame.Frame):
     m = req.meta
-    cmd = Hyperparams(key=_key(m), step=_field(m, "step", int), values=_field(m, "values", dict))
+    cmd = Hyperparams(key=rq.key(m), step=rq.field(m, "step", int), values=rq.field(m, "values", dict))
     return await replica.write(cmd), ()
 
 
 async def _clocks(replica: Replica, req: frame.Frame):
-    await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
-    return {"clocks": replica.clocks(_field(req.meta, "job", str))}, ()
+    await replica.before_read(rq.field(req.meta, "consistency", str, "leader"), {})
+    return {"clocks": replica.clocks(rq.field(req.meta, "job", str))}, ()
 
 
 async def _describe(replica: Replica, req: frame.Frame):
-    await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
-    return {"info": replica.describe(_key(req.meta))}, ()
+    await replica.before_read(rq.field(req.meta, "consistency", str, "leader"), {})
+    return {"info": replica.describe(rq.key(req.meta))}, ()
 
 
 async def _keys(replica: Replica, req: frame.Frame):
-    await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
+    await replica.before_read(rq.field(req.meta, "consistency", str, "leader"), {})
     return {"keys": replica.host.lookup(lambda s: s.keys())}, ()
 
 
@@ -397,31 +349,31 @@ async def _state_hash(replica: Replica, req: frame.Frame):
 
 async def _snapshot_step(replica: Replica, req: frame.Frame):
     m = req.meta
-    cmd = SnapshotStep(op=_field(m, "op", str), snap_id=_field(m, "snap_id", str),
-                       at=_field(m, "at", (int, float), 0.0), label=_field(m, "label", str, ""),
-                       digest=_field(m, "digest", str, ""), size=_field(m, "size", int, 0))
+    cmd = SnapshotStep(op=rq.field(m, "op", str), snap_id=rq.field(m, "snap_id", str),
+                       at=rq.field(m, "at", (int, float), 0.0), label=rq.field(m, "label", str, ""),
+                       digest=rq.field(m, "digest", str, ""), size=rq.field(m, "size", int, 0))
     return {"result": await replica.snapshot_step(cmd)}, ()
 
 
 async def _snapshot_status(replica: Replica, req: frame.Frame):
     """This replica's own view (no leader needed): the catalog entry and its file."""
-    snap_id = _field(req.meta, "snap_id", str)
+    snap_id = rq.field(req.meta, "snap_id", str)
     entry = replica.host.lookup(lambda s: s.snapshot_entry(snap_id))
     return {**replica.snapshots.status(snap_id, entry), "replica": replica.address,
             "node": replica.node_id}, ()
 
 
 async def _snapshot_catalog(replica: Replica, req: frame.Frame):
-    await replica.before_read(_field(req.meta, "consistency", str, "leader"), {})
+    await replica.before_read(rq.field(req.meta, "consistency", str, "leader"), {})
     return {"snapshots": replica.host.lookup(lambda s: s.snapshot_catalog())}, ()
 
 
 async def _snapshot_prepare(replica: Replica, req: frame.Frame):
     m = req.meta
-    sources = _field(m, "sources", list, [])
+    sources = rq.field(m, "sources", list, [])
     if not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in sources):
         raise InvalidRequest("sources must be data URLs", field="sources")
-    return await replica.snapshots.prepare(_field(m, "snap_id", str), _field(m, "digest", str),
+    return await replica.snapshots.prepare(rq.field(m, "snap_id", str), rq.field(m, "digest", str),
                                            sources), ()
 
 
