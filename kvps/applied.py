@@ -39,9 +39,7 @@ class AppliedTable:
         if session is None:
             return None
         if seq < session.floor:
-            return PushExpired(f"push {seq} of client {client!r} is below the applied window "
-                               f"(floor {session.floor}); it was applied", client=client, seq=seq,
-                               floor=session.floor)
+            return PushExpired(client, seq, session.floor)
         result = session.results.get(seq)
         if isinstance(result, dict):  # callers may mutate what they get; the table must not change
             return {k: dict(v) if isinstance(v, dict) else v for k, v in result.items()}

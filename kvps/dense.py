@@ -89,10 +89,7 @@ class DenseKey:
             return InvalidRequest(f"block {block!r} of {self.key!r} is not on this shard",
                                   key=self.key, block=block if isinstance(block, int) else None)
         if arr.shape != current.value.shape or arr.dtype != current.value.dtype:
-            return ShapeMismatch(f"block {block} of {self.key!r} is {current.value.dtype}"
-                                 f"{list(current.value.shape)}, got {arr.dtype}{list(arr.shape)}",
-                                 key=self.key, block=block, expected=_spec(current.value),
-                                 actual=_spec(arr))
+            return ShapeMismatch(self.key, _spec(current.value), _spec(arr), block=block)
         return None
 
     def step_block(self, block: int, grad: np.ndarray, count: int) -> Block:

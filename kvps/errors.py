@@ -22,8 +22,11 @@
     └── ConfigError           invalid configuration (one message per field)
 
 Retryability comes from the class, never from message text. Every error carries structured
-fields and converts to / from a small JSON dict (``to_dict`` / ``from_dict``) so that the
-server and the client share one vocabulary over HTTP. This module is pure: no I/O.
+fields and converts to / from a small JSON dict (``to_dict`` / ``error_from_dict``) so that the
+server and the client share one vocabulary over HTTP. Errors whose situation is fully described
+by their fields take those fields in the constructor and derive the message from them
+(``VersionConflict(key, expected, actual)``); the others take a message. ``restore`` rebuilds any
+error from its message and fields as sent. This module is pure: no I/O.
 """
 from __future__ import annotations
 
@@ -75,6 +78,13 @@ class KvpsError(Exception):
     def to_dict(self) -> dict[str, Any]:
         return {"error": type(self).__name__, "message": self.message, "fields": self.fields}
 
+    @classmethod
+    def restore(cls, message: str, fields: dict[str, Any]) -> "KvpsError":
+        """The error as sent (``to_dict``): its message kept, whatever its constructor takes."""
+        err = cls.__new__(cls)
+        KvpsError.__init__(err, message, **fields)
+        return err
+
     def __reduce__(self):  # keeps errors picklable across multiprocessing boundaries
         return (_rebuild, (type(self).__name__, self.message, self.fields))
 
@@ -88,10 +98,13 @@ class Unavailable(RetryableError):
 
 
 class ConnectError(Unavailable):
-    """No answer at all from ``fields['url']``: refused, reset, timed out, not resolvable. (A
-    request that reached a server and failed there is another error.)"""
+    """No answer at all from ``url``: refused, reset, timed out, not resolvable. (A request that
+    reached a server and failed there is another error.)"""
 
     http_status = 503
+
+    def __init__(self, url: str, reason: str, **fields: Any) -> None:
+        super().__init__(f"cannot reach {url}: {reason}", url=url, reason=reason, **fields)
 
 
 class Timeout(RetryableError):
@@ -99,13 +112,26 @@ class Timeout(RetryableError):
 
 
 class NotLeader(RetryableError):
-    """``fields['leader_hint']``: the data URL of the believed leader, or None."""
+    """``leader_hint``: the data URL of the leader ``replica`` believes in, or None."""
 
     http_status = 421
 
+    def __init__(self, shard: int | None, leader_hint: str | None, replica: str = "", **fields: Any) -> None:
+        who = f"replica {replica} of shard {shard}" if replica else f"this replica of shard {shard}"
+        super().__init__(f"{who} is not the leader" + (f"; try {leader_hint}" if leader_hint else ""),
+                         shard=shard, leader_hint=leader_hint, replica=replica, **fields)
+
 
 class NoQuorum(RetryableError):
+    """The leader of ``shard`` is connected to ``connected`` of its ``members`` (itself
+    included), fewer than a majority: nothing it proposes can commit until that heals or a new
+    leader is elected elsewhere."""
+
     http_status = 503
+
+    def __init__(self, shard: int | None, connected: int, members: int, **fields: Any) -> None:
+        super().__init__(f"the leader of shard {shard} reaches {connected} of its {members} members, "
+                         f"not a majority", shard=shard, connected=connected, members=members, **fields)
 
 
 class Overloaded(RetryableError):
@@ -117,7 +143,15 @@ class RejectedError(KvpsError):
 
 
 class VersionConflict(RejectedError):
+    """A compare-and-set found ``key`` (``block``, if one) at version ``actual``, not ``expected``."""
+
     http_status = 409
+
+    def __init__(self, key: str, expected: int | None, actual: int | None, *,
+                 block: int | None = None, **fields: Any) -> None:
+        where = f"{key!r}" + (f" block {block}" if block is not None else "")
+        super().__init__(f"{where} is at version {actual}, expected {expected}", key=key,
+                         block=block, expected=expected, actual=actual, **fields)
 
 
 class KeyNotFound(RejectedError):
@@ -132,7 +166,18 @@ class KeyExists(RejectedError):
 
 
 class ShapeMismatch(RejectedError):
+    """A value or gradient for ``key`` (``block``, if one) is ``actual`` ({"shape", "dtype"}),
+    not ``expected``."""
+
     http_status = 400
+
+    def __init__(self, key: str, expected: dict, actual: dict, *, block: int | None = None,
+                 **fields: Any) -> None:
+        def spec(d: dict) -> str:
+            return f"{d.get('dtype')}{list(d.get('shape', []))}"
+        where = f"{key!r}" + (f" block {block}" if block is not None else "")
+        super().__init__(f"{where} is {spec(expected)}, got {spec(actual)}", key=key, block=block,
+                         expected=expected, actual=actual, **fields)
 
 
 class Unauthorized(RejectedError):
@@ -155,7 +200,14 @@ class NotDrainable(InvalidRequest):
 
 
 class PushExpired(RejectedError):
+    """Push ``seq`` of ``client`` is below the shard's applied window (``floor``): it *was*
+    applied, and its result is no longer kept."""
+
     http_status = 410
+
+    def __init__(self, client: str, seq: int, floor: int, **fields: Any) -> None:
+        super().__init__(f"push {seq} of client {client!r} is below the applied window (floor "
+                         f"{floor}); it was applied", client=client, seq=seq, floor=floor, **fields)
 
 
 class CodecError(KvpsError):
@@ -182,8 +234,8 @@ def error_from_dict(data: Any) -> KvpsError:
         return Unavailable(f"malformed error body: {data!r:.200}")
     cls = _BY_NAME.get(str(data.get("error")), Unavailable)
     fields = data.get("fields")
-    return cls(str(data.get("message", "")), **(fields if isinstance(fields, dict) else {}))
+    return cls.restore(str(data.get("message", "")), fields if isinstance(fields, dict) else {})
 
 
 def _rebuild(name: str, message: str, fields: dict) -> KvpsError:
-    return _BY_NAME.get(name, KvpsError)(message, **fields)
+    return _BY_NAME.get(name, KvpsError).restore(message, fields)

@@ -105,7 +105,7 @@ class MetaState:
     def _apply_set_assignment(self, c: dict[str, Any]) -> dict[str, Any]:
         new = Assignment.from_json(c["assignment"])
         if new.version != self.assignment.version + 1 or len(new.shards) != len(self.assignment.shards):
-            raise VersionConflict(f"assignment {new.version} does not follow {self.assignment.version}")
+            raise VersionConflict("assignment", self.assignment.version + 1, new.version)
         if any(n >= len(self.nodes) or self.nodes[n]["state"] == "removed"
                for nodes in new.shards for n in nodes):
             raise InvalidRequest("assignment places a replica on an unknown or removed node")

@@ -137,8 +137,8 @@ class ShardState:
     def _set_rows(self, cmd: SetRows) -> dict:
         table = self._entry(cmd.key, "table")
         if cmd.values.shape[1] != table.dim or cmd.values.dtype != table.dtype:  # type: ignore[union-attr]
-            raise ShapeMismatch(f"rows for {cmd.key!r} must be (n, {table.dim}) {table.dtype}",  # type: ignore[union-attr]
-                                key=cmd.key)
+            raise ShapeMismatch(cmd.key, {"shape": ["n", table.dim], "dtype": table.dtype.name},  # type: ignore[union-attr]
+                                {"shape": list(cmd.values.shape), "dtype": cmd.values.dtype.name})
         if not bool(np.isfinite(cmd.values).all()):
             raise InvalidRequest("row values contain NaN or Inf", key=cmd.key)
         table.commit(table.plan_set(cmd.ids, cmd.values))  # type: ignore[union-attr]
@@ -255,9 +255,7 @@ class ShardState:
             for b, _ in cmd.blocks:
                 actual = entry.blocks[b].version
                 if actual != cmd.expected_version:
-                    return VersionConflict(f"{cmd.key!r} block {b} is at version {actual}, "
-                                           f"expected {cmd.expected_version}", key=cmd.key, block=b,
-                                           expected=cmd.expected_version, actual=actual)
+                    return VersionConflict(cmd.key, cmd.expected_version, actual, block=b)
         new = {}
         for b, arr in cmd.blocks:
             old = entry.blocks[b]  # the optimizer state carries over, as in torch after a copy_

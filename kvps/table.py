@@ -85,8 +85,7 @@ class Table:
             return None
         actual = ({"shape": list(grads.shape), "dtype": grads.dtype.name} if isinstance(grads, np.ndarray)
                   else {"type": type(grads).__name__})
-        return ShapeMismatch(f"rows of {self.key!r} must be {self.dtype.name}{list(want)}", key=self.key,
-                             expected={"shape": list(want), "dtype": self.dtype.name}, actual=actual)
+        return ShapeMismatch(self.key, {"shape": list(want), "dtype": self.dtype.name}, actual)
 
     def slots_of(self, ids: np.ndarray) -> np.ndarray:
         """(n,) int64 slots of ``ids``; -1 for rows not stored."""

@@ -39,7 +39,7 @@ def _request(method: str, url: str, token: str, body: dict | None = None, timeou
     except ConnectError:
         raise
     except KvpsError as exc:  # the server's typed error, with the URL in front
-        raise type(exc)(f"{method} {url}: {exc.message}", **exc.fields) from exc
+        raise type(exc).restore(f"{method} {url}: {exc.message}", exc.fields) from exc
 
 
 def _retrying(call, what: str, wait: float):

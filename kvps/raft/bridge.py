@@ -57,7 +57,7 @@ def error_for(reason: int, *, leader_hint: str | None = None) -> KvpsError:
                                                         f"unknown raft failure code {reason}"))
     fields: dict[str, Any] = {"reason": name, "outcome": outcome}
     if cls is NotLeader:
-        fields["leader_hint"] = leader_hint
+        return NotLeader(None, leader_hint, **fields)
     return cls(message, **fields)
 
 

@@ -295,6 +295,11 @@ class ShardGroup(SyncObj):
     def term(self) -> int:
         return internals.term(self)
 
+    def quorum(self) -> tuple[int, int]:
+        """(members this replica is connected to, itself included; members of the group)."""
+        others = list(self.otherNodes)
+        return 1 + sum(1 for n in others if self.isNodeConnected(n)), 1 + len(others)
+
     def connected_peers(self) -> list[str]:
         """Peers with an authenticated connection, sorted."""
         return sorted(n.address for n in self.otherNodes if self.isNodeConnected(n))

@@ -5,7 +5,10 @@ has applied it. By then every entry that can ever commit from earlier terms is a
 duplicate check before merging sees all of them (DESIGN §3). A replica that steps down answers its
 pending proposals as unknown outcome (clients retry them with the same push id). While leadership
 is handed to another member (``kvps.replica.membership``), writes are held: the target must have
-every entry for pysyncobj to grant the transfer and for it to win.
+every entry for pysyncobj to grant the transfer and for it to win. A leader that reaches fewer
+than a majority of its members (cut off, until it steps down a leader-fallback timeout later)
+answers ``NoQuorum`` at once: the client tries another replica instead of waiting for a commit
+that cannot come.
 
 Everything here runs on the replica's event loop.
 """
@@ -19,7 +22,7 @@ from typing import Any
 
 from kvps.command import Barrier
 from kvps.config import ClusterConfig
-from kvps.errors import KvpsError, NotLeader, Unavailable
+from kvps.errors import KvpsError, NoQuorum, NotLeader, Unavailable
 from kvps.raft.group import ShardGroup
 
 __all__ = ["Leadership"]
@@ -83,6 +86,9 @@ class Leadership:
                     await asyncio.sleep(0.01)
                     continue
                 raise self._not_leader()
+            connected, members = self._group.quorum()
+            if connected < members // 2 + 1:  # a partitioned leader: nothing it proposes commits
+                raise NoQuorum(self._shard, connected, members)
             if self.serving(self._group.term()):
                 return
             self._start_barrier()

@@ -220,8 +220,7 @@ class Replica:
         return [u for a, u in sorted(self._data_urls.items()) if a != self.address]
 
     def _not_leader(self) -> NotLeader:
-        return NotLeader(f"replica {self.address} of shard {self.shard} is not the leader",
-                         leader_hint=self.leader_hint(), shard=self.shard)
+        return NotLeader(self.shard, self.leader_hint(), self.address)
 
     async def ensure_serving(self) -> None:
         await self.leadership.ensure_serving()

@@ -74,7 +74,7 @@ class PeerClient:
                 data = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise ConnectError(f"{method} {url}: {type(exc).__name__}: {exc}", url=url) from exc
+            raise ConnectError(url, f"{method}: {type(exc).__name__}: {exc}") from exc
         if not 200 <= status < 300:
             raise _error_of(status, data, url)
         return data
@@ -116,7 +116,7 @@ class PeerClient:
                     os.fsync(f.fileno())
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             path.unlink(missing_ok=True)
-            raise ConnectError(f"GET {url}: {type(exc).__name__}: {exc}", url=url) from exc
+            raise ConnectError(url, f"GET: {type(exc).__name__}: {exc}") from exc
         except KvpsError:
             path.unlink(missing_ok=True)
             raise
@@ -140,7 +140,7 @@ def request(method: str, url: str, body: Any = None, *, token: str | None = None
     except urllib.error.HTTPError as exc:
         raise _error_of(exc.code, exc.read(), url) from None
     except (urllib.error.URLError, OSError) as exc:
-        raise ConnectError(f"cannot reach {url}: {getattr(exc, 'reason', exc)}", url=url) from exc
+        raise ConnectError(url, str(getattr(exc, "reason", exc))) from exc
 
 
 def request_json(method: str, url: str, body: Any = None, *, token: str | None = None,

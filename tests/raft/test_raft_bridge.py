@@ -104,7 +104,7 @@ def test_propose_returns_the_applier_result(inline):
 
 
 def test_domain_errors_from_the_applier_are_returned_not_raised():
-    conflict = VersionConflict("stale", expected=1, actual=2)
+    conflict = VersionConflict("stale", 1, 2)
     assert asyncio.run(bridge.propose(FakeGroup((conflict, FAIL_REASON.SUCCESS)), b"cmd")) is conflict
 
 

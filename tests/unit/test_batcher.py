@@ -125,7 +125,7 @@ def test_a_failed_proposal_fails_every_push_merged_into_it():
         raft.release(0)
         await first
         await until(lambda: len(raft.proposed) == 2)
-        raft.release(1, NoQuorum("lost the majority"))
+        raft.release(1, NoQuorum(0, 1, 3))
         return await asyncio.gather(*merged, return_exceptions=True)
 
     results = asyncio.run(main())

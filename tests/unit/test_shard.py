@@ -412,7 +412,7 @@ def test_applied_table_trims_caps_expires_and_round_trips():
     t = AppliedTable(ttl=10.0, cap=3)
     t.record([("a", q, 0, {"versions": {"w": q}}) for q in range(1, 6)], now=0.0)
     assert sorted(t.sessions["a"].results) == [3, 4, 5] and t.sessions["a"].floor == 3  # capped
-    t.record([("a", 6, 5, {"versions": {}}), ("b", 1, 1, VersionConflict("x", expected=1, actual=2))], now=1.0)
+    t.record([("a", 6, 5, {"versions": {}}), ("b", 1, 1, VersionConflict("x", 1, 2))], now=1.0)
     assert sorted(t.sessions["a"].results) == [5, 6]  # below the floor: forgotten, not kept
     assert isinstance(t.lookup("a", 4), PushExpired) and t.lookup("a", 5) == {"versions": {"w": 5}}
     t.lookup("a", 5)["versions"]["w"] = 99  # callers get copies
