@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 import kvps_client as kc
+from kvps.bench.progress import say
 from kvps.config import FSYNC_POLICIES, RaftConfig
 from kvps.node.local import LocalCluster
 
@@ -48,9 +49,6 @@ KiB = 1 << 10
 MiB = 1 << 20
 SIZES = (64 * KiB, MiB)
 
-
-def progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def raw_fdatasync(directory: Path, size: int, seconds: float = 1.0) -> dict:
@@ -179,7 +177,7 @@ def run_policy(root: Path, policy: str, args: argparse.Namespace) -> dict:
             cluster.start(timeout=90)
         except TimeoutError:
             for log in sorted(cluster.data_dir.glob("node-*/logs/*.log")):
-                progress(f"----- {log.relative_to(cluster.data_dir)} -----\n" +
+                say(f"----- {log.relative_to(cluster.data_dir)} -----\n" +
                          "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
             raise
         out = {}
@@ -187,7 +185,7 @@ def run_policy(root: Path, policy: str, args: argparse.Namespace) -> dict:
             for inflight in args.inflight:
                 r = asyncio.run(pushes(cluster, size, args.seconds, inflight, args.keys))
                 out[f"{size}/{inflight}"] = r
-                progress(f"  {policy:8s} {size // KiB:5d} KiB x{inflight}: {r['mb_per_s']:7.1f} MB/s  "
+                say(f"  {policy:8s} {size // KiB:5d} KiB x{inflight}: {r['mb_per_s']:7.1f} MB/s  "
                          f"p50 {r['latency_ms_p50']:7.2f} ms  p99 {r['latency_ms_p99']:7.2f} ms  "
                          f"disk {r['disk_mb_per_mb']}  cpu {r['cpu_ms_per_mb']} ms/MB")
         return out
@@ -220,7 +218,7 @@ def main() -> int:
         for r in range(args.rounds):
             order = FSYNC_POLICIES[r % 3:] + FSYNC_POLICIES[:r % 3]
             for policy in order:
-                progress(f"round {r + 1}/{args.rounds}: fsync={policy}")
+                say(f"round {r + 1}/{args.rounds}: fsync={policy}")
                 rounds[policy].append(run_policy(root / f"r{r}", policy, args))
     results = {"filesystem": fs, "raw_fdatasync": raw, "journal_add": adds, "seconds": args.seconds,
                "rounds": args.rounds, "median": {}, "all_rounds": rounds}

@@ -22,50 +22,28 @@ import json
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 import kvps_client as kc
-from kvps.delta import frame
+from kvps.bench.progress import say
 from kvps.node.local import LocalCluster, wait_until
 
 MiB = 1 << 20
 TRAIN_KEYS = 8
 
 
-def progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def admin(cluster: LocalCluster, method: str, path: str, body: dict | None = None) -> dict:
-    req = urllib.request.Request(cluster.endpoints[0] + path, method=method,
-                                 data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Authorization": f"Bearer {cluster.token}"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
 
 
 def move(cluster: LocalCluster, shard: int, source: int, target: int) -> dict:
     """Queue the move with the metadata group's rebalancer and wait for its report."""
-    done = admin(cluster, "GET", "/v1/meta")["rebalance"]["moves_done"]
-    admin(cluster, "POST", "/v1/moves", {"shard": shard, "source": source, "target": target})
+    done = cluster.admin("GET", "/v1/meta")["rebalance"]["moves_done"]
+    cluster.admin("POST", "/v1/moves", {"shard": shard, "source": source, "target": target})
     rebalance = wait_until(lambda: (lambda r: r["moves_done"] > done and r["moving"] is None and r)(
-        admin(cluster, "GET", "/v1/meta")["rebalance"]), 600, "the move", period=0.02)
+        cluster.admin("GET", "/v1/meta")["rebalance"]), 600, "the move", period=0.02)
     return rebalance["last"]
 
-
-def state_hash(cluster: LocalCluster, node: int) -> tuple[str, int] | None:
-    url = cluster.cfg.node(node).data_url(0) + "/v1/rpc/state_hash"
-    req = urllib.request.Request(url, data=frame.encode(frame.KIND_REQUEST, {}), method="POST",
-                                 headers={"Authorization": f"Bearer {cluster.token}"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            meta = frame.decode(resp.read()).meta
-            return meta["hash"], meta["applied_index"]
-    except OSError:
-        return None
 
 
 async def fill(ps: kc.Client, mb: int) -> None:
@@ -84,7 +62,7 @@ async def run(args: argparse.Namespace, cluster: LocalCluster) -> dict:
     async with kc.Client(cluster.endpoints, token=cluster.token, seed=0, timeout=120) as ps:
         t0 = time.monotonic()
         await fill(ps, args.mb)
-        progress(f"filled the shard with {args.mb} MiB in {time.monotonic() - t0:.1f} s")
+        say(f"filled the shard with {args.mb} MiB in {time.monotonic() - t0:.1f} s")
         names = [f"train/{i}" for i in range(TRAIN_KEYS)]
         for name in names:
             await ps.create(name, np.zeros(MiB // 4, np.float32))
@@ -112,8 +90,8 @@ async def run(args: argparse.Namespace, cluster: LocalCluster) -> dict:
             before_end = time.monotonic()
             leader = wait_until(lambda: cluster.leader(0), 30, "a leader")["node"]
             source = leader if args.leader else next(n for n in cfg.replica_nodes(0) if n != leader)
-            await asyncio.to_thread(admin, cluster, "POST", "/v1/rebalance", {"auto": False})
-            progress(f"moving the replica on node {source} ({'leader' if args.leader else 'follower'})"
+            await asyncio.to_thread(cluster.admin, "POST", "/v1/rebalance", {"auto": False})
+            say(f"moving the replica on node {source} ({'leader' if args.leader else 'follower'})"
                      " to node 3 ...")
             move_start = time.monotonic()
             report = await asyncio.to_thread(move, cluster, 0, source, 3)
@@ -125,8 +103,8 @@ async def run(args: argparse.Namespace, cluster: LocalCluster) -> dict:
             await asyncio.gather(*workers, return_exceptions=True)
         versions = [(await ps.get(name))[1] for name in names]
         final = [n for n in (0, 1, 2, 3) if n != source]
-        await asyncio.to_thread(wait_until, lambda: len({state_hash(cluster, n) for n in final}) == 1
-                                and None not in {state_hash(cluster, n) for n in final}, 120,
+        await asyncio.to_thread(wait_until, lambda: len({cluster.state_hash(n, 0, timeout=10) for n in final}) == 1
+                                and None not in {cluster.state_hash(n, 0, timeout=10) for n in final}, 120,
                                 "the final replicas to agree")
         before = rate(before_start, before_end)
         during = rate(move_start, move_end)

@@ -22,15 +22,13 @@ from pathlib import Path
 import numpy as np
 
 import kvps_client as kc
+from kvps.bench.progress import say
 from kvps.delta import frame
 from kvps.delta.xor import xor_delta
 from kvps.node.local import LocalCluster
 
 MiB = 1 << 20
 
-
-def progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 async def dense(cluster: LocalCluster) -> dict:
@@ -100,11 +98,11 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvps-delta-") as tmp, \
             LocalCluster(Path(tmp), nodes=3, shards=4) as cluster:
-        progress("starting a 3-node, 4-shard cluster ...")
+        say("starting a 3-node, 4-shard cluster ...")
         cluster.start(timeout=90)
-        progress("(a) 64 MB dense model, one SGD step ...")
+        say("(a) 64 MB dense model, one SGD step ...")
         a = asyncio.run(dense(cluster))
-        progress(f"(b) {args.rows:,} x 64 table, 1 % of rows touched ...")
+        say(f"(b) {args.rows:,} x 64 table, 1 % of rows touched ...")
         b = asyncio.run(sparse(cluster, args.rows))
     print(f"(a) 64 MB model after one SGD step: full pull {a['full_pull_bytes'] / MiB:.1f} MiB in "
           f"{a['full_pull_s']} s; incremental {a['incremental_pull_bytes'] / MiB:.1f} MiB in "

@@ -27,7 +27,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -184,7 +183,9 @@ def probe(group, old_leader: str, timeout: float) -> tuple[str, float | None]:
 class Cluster:
     def __init__(self, root: Path, socket_buffer_bytes: int) -> None:
         self.ctx = mp.get_context("spawn")
-        self.addresses = [f"127.0.0.1:{p}" for p in free_ports(3)]
+        from kvps.node.local import free_port_base
+        base = free_port_base(3)
+        self.addresses = [f"127.0.0.1:{base + i}" for i in range(3)]
         self.root = root
         self.socket_buffer_bytes = socket_buffer_bytes
         self.procs: dict[str, tuple] = {}
@@ -250,17 +251,6 @@ class Cluster:
                 proc.kill()
                 proc.join()
         self.procs.clear()
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def bench(args, socket_buffer_bytes: int) -> None:

@@ -25,13 +25,11 @@ from pathlib import Path
 import numpy as np
 
 import kvps_client as kc
+from kvps.bench.progress import say
 from kvps.node.local import LocalCluster, wait_until
 
 MiB = 1 << 20
 
-
-def progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 async def throughput(cluster: LocalCluster, seconds: float, inflight: int, keys: int) -> dict:
@@ -58,7 +56,7 @@ async def throughput(cluster: LocalCluster, seconds: float, inflight: int, keys:
         async def report() -> None:
             while time.monotonic() < deadline:
                 await asyncio.sleep(1.0)
-                progress(f"  {time.monotonic() - start:4.1f}s  {done} pushes  "
+                say(f"  {time.monotonic() - start:4.1f}s  {done} pushes  "
                          f"{done / (time.monotonic() - start):6.1f} MB/s")
 
         reporter = asyncio.create_task(report())
@@ -119,7 +117,7 @@ async def failover(cluster: LocalCluster, kills: int) -> dict:
                                     "a push sent after the kill to be acknowledged")
             first = min(a for s, a in pushes if s > killed)
             times.append(first - killed)
-            progress(f"  kill {k + 1}/{kills}: leader on node {leader['node']} -> first commit "
+            say(f"  kill {k + 1}/{kills}: leader on node {leader['node']} -> first commit "
                      f"after {times[-1] * 1000:.0f} ms")
         stop.set()
         await task
@@ -140,11 +138,11 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvps-bench-") as tmp:
         with LocalCluster(Path(tmp), nodes=3, shards=1) as cluster:
-            progress("starting a 3-replica, 1-shard cluster ...")
+            say("starting a 3-replica, 1-shard cluster ...")
             cluster.start(timeout=90)
-            progress(f"B: {args.seconds:.0f}s of 1 MiB pushes, {args.inflight} in flight")
+            say(f"B: {args.seconds:.0f}s of 1 MiB pushes, {args.inflight} in flight")
             tp = asyncio.run(throughput(cluster, args.seconds, args.inflight, args.keys))
-            progress(f"F: {args.kills} leader kills under a light push stream")
+            say(f"F: {args.kills} leader kills under a light push stream")
             fo = asyncio.run(failover(cluster, args.kills))
     results = {"throughput": tp, "failover": fo}
     print(f"replicated 1 MiB pushes: {tp['mb_per_s']} MB/s ({tp['pushes']} pushes in {tp['seconds']} s, "

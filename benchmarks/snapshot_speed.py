@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -34,15 +33,13 @@ from pathlib import Path
 import numpy as np
 
 import kvps_client as kc
+from kvps.bench.progress import say
 from kvps.config import ServerConfig
 from kvps.node.local import LocalCluster
 
 MiB = 1 << 20
 KEY_BYTES = 64 * MiB
 
-
-def progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def drop_caches(enabled: bool) -> bool:
@@ -81,13 +78,6 @@ def dd_peer(root: Path, total: int, procs: int, drop: bool) -> dict:
             "read_Bps": nbytes / read_s, "cold_read": dropped}
 
 
-def api(c: LocalCluster, method: str, path: str, body: dict | None = None) -> dict:
-    req = urllib.request.Request(c.endpoints[0] + path, method=method,
-                                 data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Authorization": f"Bearer {c.token}"})
-    with urllib.request.urlopen(req, timeout=3600) as resp:
-        return json.loads(resp.read())
-
 
 def compactions(c: LocalCluster) -> list[dict]:
     """Every replica's log-compaction record (count, last duration and size)."""
@@ -112,7 +102,7 @@ def wait_compactions_idle(c: LocalCluster, timeout: float = 180.0) -> None:
                for x in compactions(c)):
             return
         time.sleep(0.2)
-    progress("  (a compaction is still running; measuring anyway)")
+    say("  (a compaction is still running; measuring anyway)")
 
 
 def leader_changes(c: LocalCluster) -> int:
@@ -127,7 +117,7 @@ async def load_model(c: LocalCluster, gib: float) -> int:
         for i in range(n):
             value = rng.standard_normal(KEY_BYTES // 4, dtype=np.float32).reshape(4096, 4096)
             await ps.create(f"model/{i}", value, optimizer=kc.SGD(lr=0.01))
-            progress(f"  loaded {i + 1}/{n} x 64 MiB")
+            say(f"  loaded {i + 1}/{n} x 64 MiB")
         await ps.create("train/w", np.zeros((1024, 4096), np.float32), optimizer=kc.SGD(lr=0.01))
     return n * KEY_BYTES
 
@@ -171,9 +161,9 @@ def main() -> int:
         c = LocalCluster(root / "cluster", nodes=3, shards=args.shards, replicas=3,
                          server=ServerConfig(snapshot_hold=10.0))
         try:
-            progress(f"starting a 3-node cluster ({args.shards} shards x 3 replicas)")
+            say(f"starting a 3-node cluster ({args.shards} shards x 3 replicas)")
             c.start(timeout=120)
-            progress(f"loading a {args.gib} GiB model")
+            say(f"loading a {args.gib} GiB model")
             terms_load = leader_changes(c)
             model = asyncio.run(load_model(c, args.gib))
             results["model_bytes"] = model
@@ -182,28 +172,28 @@ def main() -> int:
             results["leader_changes_during_load"] = terms0 - terms_load
 
             wait_compactions_idle(c)
-            progress("taking a snapshot with nothing else running (write throughput)")
+            say("taking a snapshot with nothing else running (write throughput)")
             t_quiet = time.monotonic()
-            snap = api(c, "POST", "/v1/snapshots", {"label": "bench-quiet"})
+            snap = c.admin("POST", "/v1/snapshots", {"label": "bench-quiet"}, timeout=3600)
             snap_s = time.monotonic() - t_quiet
-            progress(f"  snapshot {snap['id']}: {snap['size'] / MiB:.0f} MiB per copy in {snap_s:.2f} s")
+            say(f"  snapshot {snap['id']}: {snap['size'] / MiB:.0f} MiB per copy in {snap_s:.2f} s")
 
             trainer = Trainer(c)
             trainer.thread.start()
             while len(trainer.times) < 5:
                 time.sleep(0.05)
-            progress(f"training without a snapshot for {args.window} s")
+            say(f"training without a snapshot for {args.window} s")
             t0 = time.monotonic()
             time.sleep(args.window)
             before = trainer.rate(t0, time.monotonic())
 
-            progress("taking a snapshot while training")
+            say("taking a snapshot while training")
             t_snap = time.monotonic()
-            busy = api(c, "POST", "/v1/snapshots", {"label": "bench-training"})
+            busy = c.admin("POST", "/v1/snapshots", {"label": "bench-training"}, timeout=3600)
             busy_s = time.monotonic() - t_snap
             during = trainer.rate(t_snap, t_snap + busy_s)
-            progress(f"  snapshot {busy['id']}: {busy['size'] / MiB:.0f} MiB per copy in {busy_s:.2f} s")
-            progress(f"training without a snapshot for {args.window} s")
+            say(f"  snapshot {busy['id']}: {busy['size'] / MiB:.0f} MiB per copy in {busy_s:.2f} s")
+            say(f"training without a snapshot for {args.window} s")
             t1 = time.monotonic()
             time.sleep(args.window)
             after = trainer.rate(t1, time.monotonic())
@@ -212,14 +202,14 @@ def main() -> int:
             terms1 = leader_changes(c)
             results["replicas_after_snapshot"] = compactions(c)
 
-            progress("restoring it (once no log compaction is running)")
+            say("restoring it (once no log compaction is running)")
             wait_compactions_idle(c)
             dropped = drop_caches(drop)
             t_restore = time.monotonic()
-            api(c, "POST", f"/v1/snapshots/{snap['id']}/restore")
+            c.admin("POST", f"/v1/snapshots/{snap['id']}/restore", timeout=3600)
             restore_s = time.monotonic() - t_restore
             disk = root / "cluster"
-            progress("dd on the same disk (3 writers with fsync, then 3 readers)")
+            say("dd on the same disk (3 writers with fsync, then 3 readers)")
             dd = dd_peer(disk, 3 * snap["size"], 3, drop)
         finally:
             c.stop()
@@ -281,7 +271,7 @@ def main() -> int:
     try:
         _plot(results, out / "snapshot.png")
     except ImportError:
-        progress("matplotlib not installed: no plot")
+        say("matplotlib not installed: no plot")
     return 0
 
 

@@ -13,9 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvps.config import RaftConfig, ServerConfig
-from kvps.errors import KvpsError
 from kvps.node.local import LocalCluster
-from kvps.service.http import request_json, rpc
 from kvps.node.process import spawn, stop_process
 
 from kvps_chaos.netns import PROXY_PORT, Topology
@@ -140,8 +138,6 @@ class ChaosCluster(LocalCluster):
         if self.topology is not None:
             self.topology.remove_node(node_id)
 
-    def admin_post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return request_json("POST", self.endpoints[0] + path, body, token=self.token, timeout=10)
 
     def replica_dir(self, node_id: int, shard: int) -> Path:
         return self.data_dir / self.cfg.node(node_id).data_dir / f"shard-{shard}"
@@ -150,15 +146,7 @@ class ChaosCluster(LocalCluster):
 
     def state_hashes(self, shard: int, timeout: float = 2.0) -> dict[int, tuple[str, int] | None]:
         """{node: (state hash, applied index)} for every replica of ``shard`` (None: no answer)."""
-        out: dict[int, tuple[str, int] | None] = {}
-        for n in self.cfg.replica_nodes(shard):
-            try:
-                meta = rpc(self.cfg.node(n).data_url(shard), "state_hash", {}, token=self.token,
-                           timeout=timeout)
-                out[n] = (meta["hash"], meta["applied_index"])
-            except KvpsError:
-                out[n] = None
-        return out
+        return {n: self.state_hash(n, shard, timeout=timeout) for n in self.cfg.replica_nodes(shard)}
 
     def leaders(self) -> dict[int, dict[str, Any] | None]:
         """{shard: serving leader replica or None}, from one cluster map."""

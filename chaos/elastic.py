@@ -208,7 +208,7 @@ async def grow_and_shrink(cluster: Any, *, seed: int, joins: int = 2, drain: lis
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
                 try:
                     for node_id in res.drained[:-1]:
-                        await asyncio.to_thread(cluster.admin_post, f"/v1/nodes/{node_id}/drain", {})
+                        await asyncio.to_thread(cluster.admin, "POST", f"/v1/nodes/{node_id}/drain", {})
                     out, _ = await asyncio.wait_for(drainer.communicate(), settle_timeout + 30)
                 finally:
                     if drainer.returncode is None:

@@ -248,7 +248,7 @@ async def _membership(ctx: FaultContext, rec: FaultRecord) -> None:
         rec.detail["replicas_on_joined"] = elastic.loads(grown)[node_id]
         rec.detail["grow_s"] = round(time.monotonic() - started, 2)
         drained = time.monotonic()
-        await asyncio.to_thread(cluster.admin_post, f"/v1/nodes/{node_id}/drain", {})
+        await asyncio.to_thread(cluster.admin, "POST", f"/v1/nodes/{node_id}/drain", {})
         shrunk = await asyncio.to_thread(wait_until, lambda: elastic.settled(cluster, initial), 120,
                                          f"node {node_id} to be drained and removed", 0.2)
         await asyncio.to_thread(wait_until, lambda: proc.poll() is not None, 30,

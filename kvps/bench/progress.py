@@ -11,7 +11,12 @@ from typing import Self, TextIO
 
 from tqdm import tqdm
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "say"]
+
+
+def say(text: str) -> None:
+    """A line on stderr (benchmark scripts that draw no bar)."""
+    print(text, file=sys.stderr, flush=True)
 
 
 class Progress:

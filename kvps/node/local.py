@@ -19,7 +19,7 @@ from typing import Any
 
 from kvps.config import ClusterConfig, NodeConfig, RaftConfig, ServerConfig, dump_cluster
 from kvps.errors import KvpsError, Unavailable
-from kvps.service.http import request_json
+from kvps.service.http import request_json, rpc
 from kvps.node.process import python_module_args, spawn, stop_process
 
 __all__ = [
@@ -226,6 +226,20 @@ class LocalCluster:
         if cmap is None:
             return None
         return next((r for r in cmap["shards"][shard]["replicas"] if r["node"] == node_id), None)
+
+    def admin(self, method: str, path: str, body: Any = None, *, timeout: float = 10.0) -> Any:
+        """An admin API call to the first node (with the cluster token); the decoded reply."""
+        return request_json(method, self.endpoints[0] + path, body, token=self.token,
+                            timeout=timeout, ssl=self.ssl)
+
+    def state_hash(self, node_id: int, shard: int, *, timeout: float = 2.0) -> tuple[str, int] | None:
+        """(state hash, applied index) of ``node_id``'s replica of ``shard``; None: no answer."""
+        try:
+            meta = rpc(self.cfg.node(node_id).data_url(shard), "state_hash", {}, token=self.token,
+                       timeout=timeout, ssl=self.ssl)
+        except KvpsError:
+            return None
+        return meta["hash"], meta["applied_index"]
 
     def kill_pid(self, pid: int, sig: int = signal.SIGKILL) -> None:
         try:
