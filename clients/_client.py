@@ -675,8 +675,8 @@ class _DenseCache:
 
 def _check_shape(key: str, arr: np.ndarray, shape: tuple, dtype: str) -> None:
     if tuple(arr.shape) != tuple(shape) or arr.dtype != np.dtype(dtype):
-        raise ShapeMismatch(f"{key!r} expects {tuple(shape)} {dtype}, got {tuple(arr.shape)} {arr.dtype}",
-                            key=key, expected=[list(shape), dtype], actual=[list(arr.shape), arr.dtype.name])
+        raise ShapeMismatch(key, {"shape": list(shape), "dtype": str(dtype)},
+                            {"shape": list(arr.shape), "dtype": arr.dtype.name})
 
 
 def _chunks(items: list, limit: int, size: Callable[[Any], int]) -> list[list]:

@@ -251,22 +251,33 @@ class NodeMembership:
             return web.json_response(data)
 
         async def guarded(request: web.Request, action) -> web.Response:
+            """Token checked, body read as a JSON object, the action run on this node's metadata
+            replica (or the call forwarded to a node that runs one); kvps errors answered as
+            such, with a log line for refusals."""
             try:
                 self.node._check_token(request)
-                if self.meta is None:
+                meta = self.meta
+                if meta is None:
                     return await self._forward(request)
-                return web.json_response(await action(await request.json()))
+                try:
+                    body = await request.json() if request.can_read_body else {}
+                except ValueError as exc:
+                    raise InvalidRequest(f"the body is not JSON: {exc}") from None
+                if not isinstance(body, dict):
+                    raise InvalidRequest("the body must be a JSON object")
+                return web.json_response(await action(meta, body))
             except KvpsError as exc:
+                if exc.http_status < 500:
+                    log.info("node %d: %s %s refused: %s: %s", self.node.node_id, request.method,
+                             request.rel_url.path, type(exc).__name__, exc.message)
                 return web.json_response(exc.to_dict(), status=exc.http_status)
-            except ValueError as exc:
-                return web.json_response({"error": "InvalidRequest", "message": str(exc)}, status=400)
 
         async def join(request: web.Request) -> web.Response:
             return await guarded(request, self._join)
 
         async def drain(request: web.Request) -> web.Response:
             node_id = request.match_info["id"]
-            return await guarded(request, lambda body: self._drain(int(node_id)))
+            return await guarded(request, lambda meta, body: self._drain(meta, node_id))
 
         async def move(request: web.Request) -> web.Response:
             return await guarded(request, self._move)
@@ -295,43 +306,40 @@ class NodeMembership:
                 return web.json_response(exc.to_dict(), status=exc.http_status)
         return web.json_response({"error": "Unavailable", "message": "no metadata node answered"}, status=503)
 
-    async def _join(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def _join(self, meta: MetaService, body: dict[str, Any]) -> dict[str, Any]:
         import dataclasses
 
         from kvps.config import NodeConfig, dump_cluster
-        assert self.meta is not None
-        spec = {"host": str(body["host"]), "admin_port": int(body["admin_port"]),
-                "port_base": int(body["port_base"]), "scheme": self.node.cfg.nodes[0].scheme}
-        result = await self.meta.propose({"op": "add_node", **spec})
-        nodes = self.meta.state().nodes
+        spec = {"host": _field(body, "host", str), "admin_port": _field(body, "admin_port", int),
+                "port_base": _field(body, "port_base", int), "scheme": self.node.cfg.nodes[0].scheme}
+        result = await meta.propose({"op": "add_node", **spec})
+        nodes = meta.state().nodes
         cfg = dataclasses.replace(self.node.cfg, nodes=tuple(
             NodeConfig(id=n["id"], host=n["host"], admin_port=n["admin_port"], port_base=n["port_base"],
                        data_dir=f"node-{n['id']}", scheme=n["scheme"]) for n in nodes),
             secret_file="secret", token_file="token")
         return {"id": result["id"], "config": dump_cluster(cfg), "secret": self.secret().decode(),
-                "meta_members": self.meta.state().meta_members,
+                "meta_members": meta.state().meta_members,
                 # the new node hosts nothing until the rebalancer places replicas on it (the
                 # config's placement, computed over the grown node list, does not apply)
-                "assignment": self.meta.state().assignment.to_json()}
+                "assignment": meta.state().assignment.to_json()}
 
-    async def _move(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def _move(self, meta: MetaService, body: dict[str, Any]) -> dict[str, Any]:
         """Queue one move (``Unavailable`` while another runs); the rebalancer carries it out."""
-        assert self.meta is not None
-        await self.meta.propose({"op": "request_move", "shard": int(body["shard"]),
-                                 "source": int(body["source"]), "target": int(body["target"])})
-        return {"accepted": True, "rebalance": self.meta.state().rebalance}
+        await meta.propose({"op": "request_move", "shard": _field(body, "shard", int),
+                            "source": _field(body, "source", int), "target": _field(body, "target", int)})
+        return {"accepted": True, "rebalance": meta.state().rebalance}
 
-    async def _rebalance(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def _rebalance(self, meta: MetaService, body: dict[str, Any]) -> dict[str, Any]:
         """``{"auto": false}`` stops evening out the load (drains and queued moves still run)."""
-        assert self.meta is not None
-        if not isinstance(body.get("auto"), bool):
-            raise InvalidRequest("body must be {\"auto\": true|false}", field="auto")
-        await self.meta.propose({"op": "rebalance", "auto": body["auto"]})
-        return self.meta.state().rebalance
+        await meta.propose({"op": "rebalance", "auto": _field(body, "auto", bool)})
+        return meta.state().rebalance
 
-    async def _drain(self, node_id: int) -> dict[str, Any]:
-        assert self.meta is not None
-        state = self.meta.state()
+    async def _drain(self, meta: MetaService, path_id: str) -> dict[str, Any]:
+        if not path_id.isdigit():
+            raise InvalidRequest(f"bad node id {path_id!r}", field="id")
+        node_id = int(path_id)
+        state = meta.state()
         if not 0 <= node_id < len(state.nodes):
             raise InvalidRequest(f"no node {node_id}", field="id")
         members = state.meta_members
@@ -343,8 +351,8 @@ class NodeMembership:
                 f"group can take the replica over. Join a node first (kvps node join), then drain "
                 f"node {node_id}", node=node_id, meta_nodes=members)
         if state.nodes[node_id]["state"] == "active":
-            await self.meta.propose({"op": "set_node_state", "id": node_id, "state": "draining"})
-        return {"id": node_id, "state": self.meta.state().nodes[node_id]["state"]}
+            await meta.propose({"op": "set_node_state", "id": node_id, "state": "draining"})
+        return {"id": node_id, "state": meta.state().nodes[node_id]["state"]}
 
     def annotate(self, cmap: dict[str, Any]) -> dict[str, Any]:
         """Node states and rebalancing progress, added to a cluster map."""
@@ -355,3 +363,15 @@ class NodeMembership:
         cmap["membership"] = {"version": view.get("version"), "rebalance": view.get("rebalance"),
                               "meta_nodes": view.get("meta_members", self.meta_ids)}
         return cmap
+
+
+def _field(body: dict[str, Any], name: str, kind: type) -> Any:
+    """A field of an admin request's JSON body, checked: missing or mistyped is ``InvalidRequest``."""
+    value = body.get(name)
+    if value is None:
+        raise InvalidRequest(f"missing field {name!r}", field=name)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InvalidRequest(f"field {name!r} must be {kind.__name__}", field=name)
+    if kind is int and not 0 <= value < 1 << 31:
+        raise InvalidRequest(f"field {name!r} is out of range", field=name)
+    return value

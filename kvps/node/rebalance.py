@@ -345,9 +345,10 @@ class Rebalancer:
         from kvps.meta import plan_meta_move, plan_move
         state = self.meta.state()
         move = plan_move(state, self.replicas)
-        meta_move = plan_meta_move(state) if move is None and self.meta_mover is not None else None
-        if meta_move is not None:
-            return await self._meta_step(state, *meta_move)
+        meta_mover = self.meta_mover
+        meta_move = plan_meta_move(state) if move is None and meta_mover is not None else None
+        if meta_move is not None and meta_mover is not None:
+            return await self._meta_step(meta_mover, state, *meta_move)
         if move is None:
             for node in state.nodes:
                 if node["state"] == "draining" and not state.assignment.shards_of(node["id"]) \
@@ -375,13 +376,12 @@ class Rebalancer:
         self.failures = 0
         return True
 
-    async def _meta_step(self, state: Any, source: int, target: int) -> bool:
-        assert self.meta_mover is not None
+    async def _meta_step(self, meta_mover: MetaMover, state: Any, source: int, target: int) -> bool:
         if not state.rebalance.get("moving"):
             await self.meta.propose({"op": "rebalance", "moving": {"meta": True, "source": source,
                                                                    "target": target}})
         log.info("rebalancer: moving the metadata replica from node %d to node %d", source, target)
-        report = await self.meta_mover.move(source, target)
+        report = await meta_mover.move(source, target)
         if report is None:
             return True  # leadership moved away: the new leader goes on
         await self.meta.propose({"op": "rebalance", "moving": None,

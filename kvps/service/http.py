@@ -43,10 +43,15 @@ class PeerClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def open(self) -> "PeerClient":
+        await self._opened()
+        return self
+
+    async def _opened(self) -> aiohttp.ClientSession:
+        """The session, made on first use (inside the running loop, as aiohttp wants)."""
         if self._session is None:
             connector = aiohttp.TCPConnector(ssl=self._ssl) if self._ssl is not None else None
             self._session = aiohttp.ClientSession(connector=connector)
-        return self
+        return self._session
 
     async def close(self) -> None:
         if self._session is not None:
@@ -64,11 +69,9 @@ class PeerClient:
         return {**({"Authorization": f"Bearer {token}"} if token else {}), **(extra or {})}
 
     async def _send(self, method: str, url: str, *, timeout: float | None, **kwargs: Any) -> bytes:
-        if self._session is None:
-            await self.open()
-        assert self._session is not None  # opened just above
+        session = await self._opened()
         try:
-            async with self._session.request(
+            async with session.request(
                     method, url, headers=self._headers(kwargs.pop("headers", None)),
                     timeout=aiohttp.ClientTimeout(total=timeout or self._timeout), **kwargs) as resp:
                 data = await resp.read()
@@ -101,11 +104,9 @@ class PeerClient:
 
     async def download(self, url: str, path: Path, *, timeout: float = 600.0) -> None:
         """Stream ``url`` into ``path`` (fsynced); ``path`` is left only if everything arrived."""
-        if self._session is None:
-            await self.open()
-        assert self._session is not None
+        session = await self._opened()
         try:
-            async with self._session.get(url, headers=self._headers(),
+            async with session.get(url, headers=self._headers(),
                                          timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 if resp.status != 200:
                     raise _error_of(resp.status, await resp.read(), url)
