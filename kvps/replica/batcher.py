@@ -5,6 +5,11 @@ slot frees up, everything pending (up to ``batch_bytes``) is merged into one ``P
 (``kvps.merge``) and proposed. When the leader is idle a push is proposed at once, so batching adds
 no latency; under load the window is exactly one commit round trip, bounded in bytes.
 
+A push that names a block (or a table) an in-flight proposal names waits for that proposal to
+commit, and then merges with every other push to those blocks that arrived meanwhile: concurrent
+workers' gradients of one block share one entry (one replication, one optimizer step) instead of
+taking the free proposal slots one by one. Pushes to other blocks still go out in parallel.
+
 A retried push whose id is already pending or in flight is attached to the same future instead of
 being merged twice. Accepted-but-uncommitted bytes are bounded by ``max_inflight_bytes``: beyond it a
 push waits up to ``overload_wait`` and then fails with ``Overloaded`` (retryable).
@@ -48,6 +53,7 @@ class PushBatcher:
         self._digests: dict[PushKey, int] = {}  # content checksum of each pending / in-flight id
         self._accepted_bytes = 0  # pending + in flight
         self._inflight = 0
+        self._busy: dict[tuple[str, int], int] = {}  # blocks (tables: block -1) in flight -> proposals
         self._tasks: set[asyncio.Task] = set()
         self._space = asyncio.Condition()
         self._timer: asyncio.TimerHandle | None = None
@@ -108,7 +114,10 @@ class PushBatcher:
             return
         while self._pending and self._inflight < self._cfg.max_inflight_proposals:
             batch = self._take_batch()
+            if not batch:  # every pending push waits for a block in flight
+                break
             self._inflight += 1
+            self._mark(batch, +1)
             task = asyncio.get_running_loop().create_task(self._run(batch))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -122,9 +131,12 @@ class PushBatcher:
     def _take_batch(self) -> list[tuple[PushRequest, int]]:
         """Pending pushes, oldest first, while the *merged* command stays within batch_bytes: a
         block that several workers pushed is counted once, since merging sums it."""
-        batch, merged, seen = [], 0, set()
+        batch, merged, seen, kept = [], 0, set(), []
         while self._pending:
             req, n = self._pending[0]
+            if any(unit in self._busy for unit in _units(req)):
+                kept.append(self._pending.pop(0))  # merges into the proposal after that one
+                continue
             grows = _merged_growth(req, seen)
             # A push whose blocks are all in the batch already adds only its id: it joins even
             # past batch_bytes (one worker's push to a shard may exceed it alone: B1 sends 8 MiB),
@@ -135,7 +147,17 @@ class PushBatcher:
             self._pending_bytes -= n
             merged += grows
             seen.update((key, block) for key, block, _ in req.dense)
+        self._pending[:0] = kept  # in arrival order, ahead of what was not looked at
         return batch
+
+    def _mark(self, batch: list[tuple[PushRequest, int]], delta: int) -> None:
+        """Count the blocks of ``batch`` in (``+1``) or out of (``-1``) flight."""
+        for unit in {u for req, _ in batch for u in _units(req)}:
+            count = self._busy.get(unit, 0) + delta
+            if count > 0:
+                self._busy[unit] = count
+            else:
+                self._busy.pop(unit, None)
 
     async def _run(self, batch: list[tuple[PushRequest, int]]) -> None:
         reqs = [req for req, _ in batch]
@@ -145,6 +167,7 @@ class PushBatcher:
                 self._settle(req, outcome(req))
         finally:
             self._inflight -= 1
+            self._mark(batch, -1)
             self._accepted_bytes -= sum(n for _, n in batch)
             async with self._space:
                 self._space.notify_all()
@@ -197,6 +220,12 @@ class PushBatcher:
 
 def _id_bytes(req: PushRequest) -> int:
     return 96 + len(req.client)
+
+
+def _units(req: PushRequest) -> set[tuple[str, int]]:
+    """What a push changes, as units that merge: its dense blocks, and each table it names (rows
+    merge per table)."""
+    return {(key, block) for key, block, _ in req.dense} | {(key, -1) for key, _, _ in req.rows}
 
 
 def _merged_growth(req: PushRequest, seen: set) -> int:

@@ -50,6 +50,35 @@ def make(raft: FakeRaft, **cfg) -> PushBatcher:
     return PushBatcher(raft.propose, ServerConfig(**cfg), clock=lambda: 1000.0)
 
 
+def test_pushes_to_a_block_in_flight_wait_and_merge_even_with_a_free_slot():
+    """With two proposal slots, the second worker's push to the block in flight used to take the
+    free slot alone: 4 workers' pushes of one block became 3 entries. They now wait for the one
+    in flight and share the next entry; a push to another block still goes out in parallel."""
+    async def main():
+        raft = FakeRaft()
+        b = make(raft, max_inflight_proposals=2)
+        first = asyncio.create_task(b.submit(push("a", 1)))
+        await until(lambda: len(raft.proposed) == 1)
+        same = [asyncio.create_task(b.submit(push(c, 1))) for c in "bcd"]
+        other = asyncio.create_task(b.submit(
+            PushRequest("e", 1, 1, dense=(("v", 0, np.ones(8, np.float32)),))))
+        await until(lambda: len(raft.proposed) == 2)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert len(raft.proposed) == 2  # the free slot went to the other block only
+        assert [p.client for p in raft.proposed[1].pushes] == ["e"]
+        raft.release(0)
+        await until(lambda: len(raft.proposed) == 3)
+        assert sorted(p.client for p in raft.proposed[2].pushes) == ["b", "c", "d"]
+        raft.release(1)
+        raft.release(2)
+        return await first, await asyncio.gather(*same), await other
+
+    first, same, other = asyncio.run(main())
+    assert "versions" in first and "versions" in other
+    assert same[0] == same[1] == same[2]  # one entry answered all three
+
+
 def test_idle_push_is_proposed_at_once_and_later_ones_merge_behind_it():
     async def main():
         raft = FakeRaft()
