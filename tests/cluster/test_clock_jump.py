@@ -109,8 +109,11 @@ def test_a_dead_workers_lease_ends_on_time_after_the_wall_clock_jumps_back(jumpy
 
     async def scenario() -> float:
         async with kc.Client(endpoints, token) as c:
-            await c.clock_tick("job-back", "dead", 5, lease_s=3.0)
+            # taken before the tick is sent: the leader stamps the lease's start after this,
+            # so an on-time end is at least 3 s later (taken after the reply, it can look early
+            # by the reply's own latency)
             ticked = time.monotonic()
+            await c.clock_tick("job-back", "dead", 5, lease_s=3.0)
             await c.clock_tick("job-back", "alive", 1, lease_s=60.0)
             assert "dead" in await c.clocks("job-back")  # its lease lives
             jump(jumpy, -HOUR)
