@@ -8,6 +8,7 @@
 """
 from kvps.errors import (
     CodecError,
+    ConnectError,
     InvalidRequest,
     KeyExists,
     KeyNotFound,
@@ -41,6 +42,7 @@ __all__ = [
     "Client",
     "ClientStats",
     "CodecError",
+    "ConnectError",
     "Constant",
     "HttpTransport",
     "InvalidRequest",

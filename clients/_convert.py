@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from kvps.errors import InvalidRequest
+from kvps.errors import InvalidRequest, ShapeMismatch
 
-__all__ = ["device_to_host", "host_values", "to_host", "to_numpy"]
+__all__ = ["check_shape", "device_to_host", "host_values", "to_host", "to_numpy"]
 
 
 def _torch() -> Any:
@@ -110,3 +110,10 @@ async def to_host(values: Any, *, name: str = "value") -> Any:
     if not isinstance(values, Mapping):
         return host[None]
     return {k: host.get(k, v) for k, v in values.items()}
+
+
+def check_shape(key: str, arr: np.ndarray, shape: tuple, dtype: str) -> None:
+    """Refuse ``arr`` on the client when the server would: another shape or dtype than ``key``'s."""
+    if tuple(arr.shape) != tuple(shape) or arr.dtype != np.dtype(dtype):
+        raise ShapeMismatch(key, {"shape": list(shape), "dtype": str(dtype)},
+                            {"shape": list(arr.shape), "dtype": arr.dtype.name})

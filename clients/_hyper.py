@@ -33,7 +33,7 @@ async def set_hyperparams(client: "Client", key: str, values: Mapping[str, Any],
         shards = sorted({block_shard(key, b, client.cluster_map.shards) for b in range(layout.n_blocks)})
     else:
         shards = list(range(client.cluster_map.shards))
-    resps = await client._fan_out([client._call(s, "hyperparams", meta) for s in shards])
+    resps = await client.sender.fan_out([client.call(s, "hyperparams", meta) for s in shards])
     client._infos.pop(key, None)  # describe() shows the overrides: read them again next time
     results = [r.meta for r in resps]
     newest = max(results, key=lambda r: r["step"])

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import aiohttp
 
-from kvps.errors import Unavailable
+from kvps.errors import ConnectError, Unavailable
 
 __all__ = ["HttpTransport", "MockTransport", "Transport"]
 
@@ -28,7 +28,7 @@ class Transport(Protocol):
 
 
 class HttpTransport:
-    """aiohttp with keep-alive connections; every failure to get an answer is ``Unavailable``."""
+    """aiohttp with keep-alive connections; every failure to get an answer is ``ConnectError``."""
 
     def __init__(self, *, limit_per_host: int = 16, ssl: ssl_.SSLContext | None = None) -> None:
         self._limit_per_host = limit_per_host
@@ -55,7 +55,7 @@ class HttpTransport:
                     timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 return resp.status, await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise Unavailable(f"{method} {url}: {type(exc).__name__}: {exc}", url=url) from exc
+            raise ConnectError(url, f"{method}: {type(exc).__name__}: {exc}") from exc
 
 
 Handler = Callable[[str, str, bytes | None, dict[str, str]], Awaitable[tuple[int, bytes]]]

@@ -84,14 +84,14 @@ class SnapshotCoordinator:
     # ---- calls ---------------------------------------------------------------------------
 
     async def _step(self, shard: int, op: str, snap_id: str, **fields: Any) -> dict:
-        reply = await self.client._call(shard, "snapshot_step", {"op": op, "snap_id": snap_id, **fields})
+        reply = await self.client.call(shard, "snapshot_step", {"op": op, "snap_id": snap_id, **fields})
         return reply.meta["result"]
 
     async def _on_replica(self, url: str, op: str, meta: dict) -> dict:
         from kvps.delta import frame
 
         body = frame.encode(frame.KIND_REQUEST, meta)
-        reply = await self.client._post(url + "/v1/rpc/" + op, body)
+        reply = await self.client.sender.send_once(url, op, body)
         return reply.meta
 
     async def _all(self, calls: list) -> list:
@@ -164,7 +164,7 @@ class SnapshotCoordinator:
 
     async def catalog(self) -> dict[str, list[dict]]:
         """Per snapshot id, every shard's catalog entry (from the shard leaders)."""
-        replies = await self._all([self.client._call(s, "snapshot_catalog", {}) for s in self.shards])
+        replies = await self._all([self.client.call(s, "snapshot_catalog", {}) for s in self.shards])
         out: dict[str, list[dict]] = {}
         for shard, reply in zip(self.shards, replies):
             for entry in reply.meta["snapshots"]:

@@ -38,7 +38,7 @@ class FakeShard:
             return self.error.http_status, json.dumps(self.error.to_dict()).encode()
         if base != URLS[2]:
             hint = URLS[2] if base == URLS[0] else None
-            err = NotLeader("not me", leader_hint=hint)
+            err = NotLeader(0, leader_hint=hint)
             return err.http_status, json.dumps(err.to_dict()).encode()
         req = frame.decode(body)
         if op == "describe":
@@ -58,8 +58,8 @@ async def no_sleep(_):
 
 
 def make(handler, **kw) -> kc.Client:
-    return kc.Client(["http://admin"], token="t", transport=kc.MockTransport(handler), seed=0,
-                     sleep=no_sleep, **kw)
+    kw.setdefault("sleep", no_sleep)
+    return kc.Client(["http://admin"], token="t", transport=kc.MockTransport(handler), seed=0, **kw)
 
 
 def test_not_leader_hint_is_followed_and_remembered():
@@ -165,10 +165,10 @@ class Failover:
         if op == "describe" and base == URLS[2]:
             return 200, frame.encode(frame.KIND_RESPONSE, {"info": INFO})
         if self.hint_loop:
-            err = NotLeader("not me", leader_hint=URLS[1] if base == URLS[0] else URLS[0])
+            err = NotLeader(0, leader_hint=URLS[1] if base == URLS[0] else URLS[0])
         elif self.blind > 0 or base != URLS[2]:
             self.blind -= 1
-            err = NotLeader("not me", leader_hint=URLS[2] if self.blind < 0 else None)
+            err = NotLeader(0, leader_hint=URLS[2] if self.blind < 0 else None)
         else:
             return 200, frame.encode(frame.KIND_RESPONSE, {"versions": {"w": 1}})
         return err.http_status, json.dumps(err.to_dict()).encode()
@@ -178,16 +178,16 @@ def test_a_hint_late_in_a_call_is_followed_at_once():
     """After several back-offs (no leader known), the first fresh hint is followed without one more."""
     fake = Failover(blind=1)
 
+    sleeps: list[int] = []
+
+    async def sleep(_):
+        sleeps.append(len(fake.log))
+
     async def main():
-        async with make(fake) as ps:
+        async with make(fake, sleep=sleep) as ps:
             await ps.describe("w")  # layout known: the push below is the only call
             fake.blind, fake.log = 6, []
-            sleeps: list[int] = []
-
-            async def sleep(_):
-                sleeps.append(len(fake.log))
-
-            ps._sleep = sleep
+            sleeps.clear()
             await ps.push({"w": np.ones(4, np.float32)})
             return fake.log, sleeps
 
@@ -228,9 +228,9 @@ def test_a_replica_that_refused_the_connection_is_not_asked_again_next():
         base, op = url.split("/v1/rpc/")
         log.append(base)
         if base == URLS[2]:
-            raise kc.Unavailable(f"POST {url}: connection refused", url=url)
+            raise kc.ConnectError(url, "connection refused")  # what HttpTransport raises
         if base == URLS[0]:
-            err = NotLeader("not me", leader_hint=URLS[2])  # stale
+            err = NotLeader(0, leader_hint=URLS[2])  # stale
             return err.http_status, json.dumps(err.to_dict()).encode()
         if op == "describe":
             return 200, frame.encode(frame.KIND_RESPONSE, {"info": INFO})
@@ -346,7 +346,7 @@ def test_a_pull_in_flight_survives_a_concurrent_create_of_its_key():
             return 200, json.dumps(CLUSTER).encode()
         base, op = url.split("/v1/rpc/")
         if base != URLS[2]:
-            err = NotLeader("not me", leader_hint=URLS[2])
+            err = NotLeader(0, leader_hint=URLS[2])
             return err.http_status, json.dumps(err.to_dict()).encode()
         if op == "describe":
             return 200, frame.encode(frame.KIND_RESPONSE, {"info": INFO})

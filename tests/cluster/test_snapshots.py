@@ -83,7 +83,7 @@ def _hashes_agree(cluster, shards: int):
                 hs = set()
                 for u in urls:
                     from kvps.delta import frame
-                    reply = await ps._post(u + "/v1/rpc/state_hash", frame.encode(frame.KIND_REQUEST, {}))
+                    reply = await ps.sender.send_once(u, "state_hash", frame.encode(frame.KIND_REQUEST, {}))
                     hs.add((reply.meta["hash"], reply.meta["applied_index"]))
                 out.append(len({h for h, _ in hs}) == 1)
             return all(out)

@@ -1,0 +1,53 @@
+"""Dense keys on the client: splitting a value into its blocks per shard, chunking requests under
+the cluster's size limit, and the blocks a client holds for incremental pulls."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvps.placement import DenseLayout, block_shard
+
+__all__ = ["DenseCache", "chunks", "split_blocks"]
+
+
+class DenseCache:
+    """The blocks of one dense key this client holds, with their versions (for incremental pulls)."""
+
+    def __init__(self, layout: DenseLayout) -> None:
+        self.layout = layout
+        self.blocks: list[np.ndarray | None] = [None] * layout.n_blocks
+        self.versions: list[int | None] = [None] * layout.n_blocks
+
+    def assemble(self) -> np.ndarray:
+        out = np.empty(self.layout.shape, dtype=np.dtype(self.layout.dtype))
+        if out.ndim == 0:
+            out[()] = self.blocks[0]
+            return out
+        for b, block in enumerate(self.blocks):
+            out[self.layout.block_slice(b)] = block
+        return out
+
+
+def split_blocks(key: str, layout: DenseLayout, arr: np.ndarray, shards: int) -> dict[int, list]:
+    """``{shard: [(block, view of arr), ...]}``: the blocks of ``key`` by the shard that holds them."""
+    per_shard: dict[int, list] = {}
+    for b in range(layout.n_blocks):
+        part = arr if arr.ndim == 0 else arr[layout.block_slice(b)]
+        per_shard.setdefault(block_shard(key, b, shards), []).append((b, part))
+    return per_shard
+
+
+def chunks(items: list, limit: int, size: Callable[[Any], int]) -> list[list]:
+    """Split ``items`` into consecutive chunks of at most ``limit`` bytes (at least one item each)."""
+    out: list[list] = [[]]
+    total = 0
+    for item in items:
+        n = size(item)
+        if out[-1] and total + n > limit:
+            out.append([])
+            total = 0
+        out[-1].append(item)
+        total += n
+    return [c for c in out if c]
