@@ -47,7 +47,8 @@ def meta_address(node: Any, shards: int) -> str:
 class MetaState:
     def __init__(self, nodes: list[dict[str, Any]], assignment: Assignment,
                  meta_members: list[int] | None = None) -> None:
-        self.nodes = nodes  # index = node id; {"id", "host", "admin_port", "port_base", "scheme", "state"}
+        self.nodes = nodes  # index = node id; {"id", "host", "admin_port", "port_base", "scheme", "state",
+        # "incarnation" (once recorded)}
         self.assignment = assignment
         # the nodes running a metadata replica (states written before it existed: the first three)
         self.meta_members = sorted(meta_members) if meta_members is not None else \
@@ -80,16 +81,40 @@ class MetaState:
 
     def _apply_add_node(self, c: dict[str, Any]) -> dict[str, Any]:
         spec = {f: c[f] for f in _NODE_FIELDS}
+        incarnation = c.get("incarnation")  # kvps.node.identity; None from older joiners
         for node in self.nodes:  # the same node asking again (a retried join) gets its id back
             if {f: node[f] for f in _NODE_FIELDS} == spec and node["state"] != "removed":
+                known = node.get("incarnation")
+                if incarnation and known and known != incarnation:
+                    # the same address, another data directory: never the old id (its replicas
+                    # would vote with empty logs); the old node leaves first
+                    raise InvalidRequest(
+                        f"node {node['id']} is registered at {spec['host']} with these ports as another "
+                        f"incarnation ({known}); a node with a new data directory cannot take its id. "
+                        f"Drain node {node['id']} (kvps node drain {node['id']}), then join again")
+                if incarnation and not known:
+                    node["incarnation"] = incarnation
                 return {"ok": True, "id": node["id"], "existing": True}
         for node in self.nodes:
             if node["state"] != "removed" and node["host"] == spec["host"] and (
                     node["admin_port"] == spec["admin_port"] or node["port_base"] == spec["port_base"]):
                 raise InvalidRequest(f"node {node['id']} already uses these ports on {spec['host']}")
         node_id = len(self.nodes)
-        self.nodes.append({"id": node_id, **spec, "state": "active"})
+        self.nodes.append({"id": node_id, **spec, "state": "active",
+                           **({"incarnation": incarnation} if incarnation else {})})
         return {"ok": True, "id": node_id}
+
+    def _apply_set_incarnation(self, c: dict[str, Any]) -> dict[str, Any]:
+        """Record the incarnation a node's data directory is (``kvps.node.identity``). A recorded
+        one is only replaced by a node that names it in ``replaces`` (``--replace``)."""
+        node_id, incarnation, replaces = int(c["id"]), c["incarnation"], c.get("replaces")
+        if not 0 <= node_id < len(self.nodes) or not isinstance(incarnation, str) or not incarnation:
+            raise InvalidRequest(f"bad incarnation for node {node_id}")
+        known = self.nodes[node_id].get("incarnation")
+        if known is not None and known != incarnation and known != replaces:
+            raise InvalidRequest(f"node {node_id} is incarnation {known}; {incarnation} does not replace it")
+        self.nodes[node_id]["incarnation"] = incarnation
+        return {"ok": True}
 
     def _apply_set_node_state(self, c: dict[str, Any]) -> dict[str, Any]:
         node_id, state = int(c["id"]), c["state"]

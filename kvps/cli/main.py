@@ -92,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     node = sub.add_parser("node", help="run one node of a cluster")
     node.add_argument("--config", required=True)
     node.add_argument("--id", type=int, required=True)
+    node.add_argument("--replace", action="store_true",
+                      help="this node takes the place of node ID, whose data directory was lost: "
+                           "a new incarnation whose replicas come back recovering (no vote until "
+                           "caught up). Without it a node with an empty data directory is refused "
+                           "under an id the cluster knows")
 
     rep = sub.add_parser("replica", help="(internal) one shard replica; nodes start these")
     rep.add_argument("--config", required=True)
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                                     args.join))
         elif args.command == "node":
             from kvps.node.main import run_node
-            asyncio.run(run_node(Path(args.config).resolve(), args.id))
+            asyncio.run(run_node(Path(args.config).resolve(), args.id, replace=args.replace))
         elif args.command == "up":
             return _cmd_up(args)
         elif args.command == "status":

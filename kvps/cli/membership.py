@@ -21,11 +21,13 @@ import json
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from tqdm import tqdm
 
 from kvps.errors import ConnectError, KvpsError, RetryableError
+from kvps.node.identity import Identity
 from kvps.service.http import request_json
 
 __all__ = ["drain", "join", "main"]
@@ -63,15 +65,21 @@ def join(args: argparse.Namespace) -> int:
     from kvps.node.main import run_node
     if not args.token:
         raise KvpsError("the cluster token is needed: --token or $KVPS_TOKEN")
-    body = {"host": args.host, "admin_port": args.port, "port_base": args.port + 1}
+    data_dir = Path(args.data_dir).resolve()
+    # The incarnation this data directory is (kvps.node.identity): a repeated join from it gets
+    # its id back; a wiped directory is a new incarnation and never gets an old id.
+    held = [i for i in (Identity.load(p) for p in sorted(data_dir.glob("node-*"))) if i is not None]
+    incarnation = held[0].incarnation if held else uuid.uuid4().hex
+    body = {"host": args.host, "admin_port": args.port, "port_base": args.port + 1,
+            "incarnation": incarnation}
     reply = _retrying(lambda: _request("POST", args.seed.rstrip("/") + "/v1/nodes", args.token, body),
                       f"join via {args.seed}", args.wait)
     node_id = int(reply["id"])
-    data_dir = Path(args.data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     (data_dir / "cluster.toml").write_text(reply["config"])
     node_dir = data_dir / f"node-{node_id}"
     node_dir.mkdir(exist_ok=True)
+    Identity(node_id, incarnation).save(node_dir)
     if not (node_dir / "assignment.json").exists():  # a restarted join keeps what it follows
         (node_dir / "assignment.json").write_text(json.dumps(reply["assignment"]))
     if "meta_members" in reply and not (node_dir / "meta_members.json").exists():

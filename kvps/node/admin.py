@@ -16,6 +16,7 @@ from aiohttp import web
 from kvps.assignment import Assignment
 from kvps.config import ClusterConfig
 from kvps.errors import KvpsError
+from kvps.node import identity
 from kvps.node.metrics import merge_expositions
 from kvps.node.openapi import document
 from kvps.replica.metrics import CONTENT_TYPE
@@ -114,6 +115,8 @@ def make_app(node: "Node") -> web.Application:
 
     app.router.add_get("/v1/assignment", get_assignment)
     node.membership.add_routes(app)
+    identity.add_routes(app, node)
+
     async def openapi(request: web.Request) -> web.Response:
         return web.json_response(document())
 

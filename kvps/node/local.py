@@ -151,12 +151,14 @@ class LocalCluster:
             self.wait_ready(timeout)
         return self
 
-    def start_node(self, node_id: int) -> None:
+    def start_node(self, node_id: int, *, replace: bool = False) -> None:
+        """Start node ``node_id`` (no-op while it runs); ``replace``: ``kvps node --replace``, for
+        a node whose data directory was lost."""
         proc = self.procs.get(node_id)
         if proc is not None and proc.poll() is None:
             return
         args = python_module_args("kvps.cli", "node", "--config", str(self.config_path),
-                                  "--id", str(node_id))
+                                  "--id", str(node_id), *(["--replace"] if replace else []))
         log = self.data_dir / f"node-{node_id}" / "logs" / "node.log"
         self.procs[node_id] = spawn(self.node_command(node_id, args), log, new_session=True,
                                     env=self.env)

@@ -12,10 +12,10 @@ from kvps.service.tls import client_context, server_context
 __all__ = ["run_node"]
 
 
-async def run_node(config: Path, node_id: int) -> None:
+async def run_node(config: Path, node_id: int, *, replace: bool = False) -> None:
     cfg = load_cluster(config)
     base = config.parent
     token = read_tokens(base / cfg.token_file)[0]
     node = Node(cfg, node_id, config, base / cfg.node(node_id).data_dir, token,
-                server_ssl=server_context(cfg, base), client_ssl=client_context(cfg, base))
+                server_ssl=server_context(cfg, base), client_ssl=client_context(cfg, base), replace=replace)
     await node.run(stop_event())

@@ -226,6 +226,8 @@ class NodeMembership:
         from kvps.assignment import Assignment
         data = await self.fetch()
         if data is None or data["version"] <= self.version:
+            if self.view is not None and self.node.node_id < len(self.view["nodes"]):  # until recorded
+                await self.node.check_incarnation(self.view["nodes"][self.node.node_id].get("incarnation"))
             return
         self.view, self.version = data, data["version"]
         self.node.follow_nodes(data["nodes"])
@@ -233,6 +235,8 @@ class NodeMembership:
             await self._follow_members([int(n) for n in data["meta_members"]])
         await self.node.set_assignment(Assignment.from_json(data["assignment"]))
         me = data["nodes"][self.node.node_id] if self.node.node_id < len(data["nodes"]) else None
+        if me is not None:
+            await self.node.check_incarnation(me.get("incarnation"))
         if me is not None and me["state"] == "removed" and not self.node.replicas:
             log.info("node %d: removed from the cluster; exiting", self.node.node_id)
             self.node.request_stop()
@@ -250,46 +254,47 @@ class NodeMembership:
                                          status=503)
             return web.json_response(data)
 
-        async def guarded(request: web.Request, action) -> web.Response:
-            """Token checked, body read as a JSON object, the action run on this node's metadata
-            replica (or the call forwarded to a node that runs one); kvps errors answered as
-            such, with a log line for refusals."""
-            try:
-                self.node._check_token(request)
-                meta = self.meta
-                if meta is None:
-                    return await self._forward(request)
-                try:
-                    body = await request.json() if request.can_read_body else {}
-                except ValueError as exc:
-                    raise InvalidRequest(f"the body is not JSON: {exc}") from None
-                if not isinstance(body, dict):
-                    raise InvalidRequest("the body must be a JSON object")
-                return web.json_response(await action(meta, body))
-            except KvpsError as exc:
-                if exc.http_status < 500:
-                    log.info("node %d: %s %s refused: %s: %s", self.node.node_id, request.method,
-                             request.rel_url.path, type(exc).__name__, exc.message)
-                return web.json_response(exc.to_dict(), status=exc.http_status)
-
         async def join(request: web.Request) -> web.Response:
-            return await guarded(request, self._join)
+            return await self.guarded(request, self._join)
 
         async def drain(request: web.Request) -> web.Response:
             node_id = request.match_info["id"]
-            return await guarded(request, lambda meta, body: self._drain(meta, node_id))
+            return await self.guarded(request, lambda meta, body: self._drain(meta, node_id))
 
         async def move(request: web.Request) -> web.Response:
-            return await guarded(request, self._move)
+            return await self.guarded(request, self._move)
 
         async def rebalance(request: web.Request) -> web.Response:
-            return await guarded(request, self._rebalance)
+            return await self.guarded(request, self._rebalance)
 
         app.router.add_get("/v1/meta", get_meta)
         app.router.add_post("/v1/nodes", join)
         app.router.add_post("/v1/nodes/{id}/drain", drain)
         app.router.add_post("/v1/moves", move)
         app.router.add_post("/v1/rebalance", rebalance)
+
+    async def guarded(self, request: Any, action: Any) -> Any:
+        """Token checked, body read as a JSON object, ``action(meta, body)`` run on this node's
+        metadata replica (or the call forwarded to a node that runs one); kvps errors answered
+        as such, with a log line for refusals."""
+        from aiohttp import web
+        try:
+            self.node._check_token(request)
+            meta = self.meta
+            if meta is None:
+                return await self._forward(request)
+            try:
+                body = await request.json() if request.can_read_body else {}
+            except ValueError as exc:
+                raise InvalidRequest(f"the body is not JSON: {exc}") from None
+            if not isinstance(body, dict):
+                raise InvalidRequest("the body must be a JSON object")
+            return web.json_response(await action(meta, body))
+        except KvpsError as exc:
+            if exc.http_status < 500:
+                log.info("node %d: %s %s refused: %s: %s", self.node.node_id, request.method,
+                         request.rel_url.path, type(exc).__name__, exc.message)
+            return web.json_response(exc.to_dict(), status=exc.http_status)
 
     async def _forward(self, request: Any) -> Any:
         """A node without a metadata replica passes the call to one that has it (this node's
@@ -312,7 +317,10 @@ class NodeMembership:
         from kvps.config import NodeConfig, dump_cluster
         spec = {"host": _field(body, "host", str), "admin_port": _field(body, "admin_port", int),
                 "port_base": _field(body, "port_base", int), "scheme": self.node.cfg.nodes[0].scheme}
-        result = await meta.propose({"op": "add_node", **spec})
+        incarnation = body.get("incarnation")  # kvps.node.identity (older joiners send none)
+        if incarnation is not None and (not isinstance(incarnation, str) or not 0 < len(incarnation) <= 64):
+            raise InvalidRequest("field 'incarnation' must be a short string", field="incarnation")
+        result = await meta.propose({"op": "add_node", **spec, "incarnation": incarnation})
         nodes = meta.state().nodes
         cfg = dataclasses.replace(self.node.cfg, nodes=tuple(
             NodeConfig(id=n["id"], host=n["host"], admin_port=n["admin_port"], port_base=n["port_base"],

@@ -24,8 +24,9 @@ from aiohttp import web
 
 from kvps.assignment import Assignment
 from kvps.config import ClusterConfig, NodeConfig
-from kvps.errors import InvalidRequest, KvpsError, Unauthorized
+from kvps.errors import ConfigError, InvalidRequest, KvpsError, Unauthorized
 from kvps.node.admin import make_app
+from kvps.node.identity import Identity, known_incarnations, settle
 from kvps.node.meta_service import NodeMembership
 from kvps.node.metrics import NodeMetrics
 from kvps.node.process import python_module_args, spawn, stop_process
@@ -72,7 +73,7 @@ class ReplicaProcess:
 class Node:
     def __init__(self, cfg: ClusterConfig, node_id: int, config_path: Path, data_dir: Path,
                  token: str, *, server_ssl: ssl.SSLContext | None = None,
-                 client_ssl: ssl.SSLContext | None = None) -> None:
+                 client_ssl: ssl.SSLContext | None = None, replace: bool = False) -> None:
         self._server_ssl = server_ssl
         self._client_ssl = client_ssl
         self.cfg = cfg
@@ -80,6 +81,15 @@ class Node:
         self.config_path = config_path
         self.data_dir = data_dir
         self.token = token
+        # Which incarnation of this node the data directory is (kvps.node.identity): settled with
+        # the other nodes in run() before any replica starts. ``replace``: --replace.
+        self.identity: Identity | None = None
+        self.replace = replace
+        self._recorded = False  # our incarnation seen in the metadata group (--replace: until then
+        # it takes over whichever one is recorded)
+        self._persisted_incarnations: dict[int, str] = {}
+        self.refusal: str | None = None  # why the node stopped itself, if it did
+        self._followed: list[dict[str, Any]] = []  # the metadata node list as last followed
         # The node list as last followed (joined nodes): a restart must know the nodes its
         # assignment and the metadata group name before it can ask them for a newer list.
         nodes_path = self.data_dir / "nodes.json"
@@ -186,18 +196,47 @@ class Node:
 
     def follow_nodes(self, nodes: list[dict[str, Any]]) -> None:
         """Adopt the metadata group's node list (joined nodes appear; ids never change)."""
+        self._followed = [dict(n) for n in nodes]
         known = {n.id: n for n in self.cfg.nodes}
         new = tuple(NodeConfig(id=n["id"], host=n["host"], admin_port=n["admin_port"],
                                port_base=n["port_base"], scheme=n["scheme"],
                                data_dir=known[n["id"]].data_dir if n["id"] in known else f"node-{n['id']}")
                     for n in nodes)
-        if new != self.cfg.nodes:
+        path = self.data_dir / "nodes.json"
+        if new != self.cfg.nodes or known_incarnations(nodes) != self._persisted_incarnations:
+            self._persisted_incarnations = known_incarnations(nodes)
             self.cfg = dataclasses.replace(self.cfg, nodes=new)
-            path = self.data_dir / "nodes.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(nodes))
             os.replace(tmp, path)
+
+    def known_incarnations(self) -> dict[int, str]:
+        """The incarnations the metadata group recorded, as this node last saw them."""
+        meta = self.membership.meta
+        return known_incarnations(meta.state().nodes if meta is not None else self._followed)
+
+    async def check_incarnation(self, recorded: str | None) -> None:
+        """Compare the metadata group's record of this node with this directory's identity:
+        record ours when none (or the one --replace took over) is; stop when another
+        incarnation holds the id (a replacement took this node's place)."""
+        mine = self.identity
+        if mine is None or recorded == mine.incarnation:
+            self._recorded = self._recorded or mine is not None
+            return
+        if recorded is None or (self.replace and not self._recorded):
+            url = self.cfg.node(self.node_id).admin_url + f"/v1/nodes/{self.node_id}/incarnation"
+            try:
+                await self.http.json("POST", url, {"incarnation": mine.incarnation, "replaces": recorded},
+                                     timeout=5.0)
+                log.info("node %d: recorded incarnation %s", self.node_id, mine.incarnation)
+            except KvpsError as exc:  # retried on the next follow round
+                log.info("node %d: recording its incarnation failed: %s", self.node_id, exc)
+            return
+        self.refusal = (f"the cluster knows node {self.node_id} as incarnation {recorded}, this data "
+                        f"directory is {mine.incarnation}: another node replaced this one")
+        log.error("node %d: %s; stopping", self.node_id, self.refusal)
+        self.request_stop()
 
     def request_stop(self) -> None:
         if self._stop_event is not None:
@@ -250,21 +289,26 @@ class Node:
                            ssl_context=self._server_ssl)
         await site.start()
         log.info("node %d: admin API on %s", self.node_id, me.admin_url)
-        loop_task = asyncio.create_task(self._loop())
-        self.membership.start()
-        schedule_task = asyncio.create_task(self.snapshots.run_schedule())
+        loop_task = schedule_task = None
         try:
+            self.identity = await settle(self, replace=self.replace)
+            loop_task = asyncio.create_task(self._loop())
+            self.membership.start()
+            schedule_task = asyncio.create_task(self.snapshots.run_schedule())
             await stop.wait()
         finally:
             self._stopping = True
-            loop_task.cancel()
-            schedule_task.cancel()
-            await asyncio.gather(loop_task, schedule_task, return_exceptions=True)
+            tasks = [t for t in (loop_task, schedule_task) if t is not None]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self.membership.stop()
             await self.snapshots.close()
             await asyncio.to_thread(self._stop_replicas)
             await runner.cleanup()
             await self.http.close()
+        if self.refusal is not None:
+            raise ConfigError(f"node {self.node_id} stopped: {self.refusal}")
 
     def _stop_replicas(self) -> None:
         for rp in self.replicas.values():

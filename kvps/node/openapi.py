@@ -159,10 +159,30 @@ ADMIN_PATHS: dict[str, dict[str, Any]] = {
         "security": [{"bearer": []}],
         "requestBody": {"required": True, "content": {"application/json": {"schema": {
             "type": "object", "required": ["host", "admin_port", "port_base"],
-            "properties": {"host": _str, "admin_port": _int, "port_base": _int}}}}},
+            "properties": {"host": _str, "admin_port": _int, "port_base": _int,
+                           "incarnation": _str}}}}},
         "responses": {"200": _json({"type": "object", "required": ["id", "config", "secret"],
                                     "properties": {"id": _int, "config": _str, "secret": _str}}),
                       "400": _json(ERROR), "401": _json(ERROR)}}},
+    "/v1/identity": {"get": {
+        "summary": "This node's incarnation and the incarnations it knows the others by (a starting "
+                   "node asks before it starts any replica)",
+        "security": [{"bearer": []}],
+        "responses": {"200": _json({"type": "object", "required": ["node", "incarnation", "known"],
+                                    "properties": {"node": _int,
+                                                   "incarnation": _opt_str,
+                                                   "known": {"type": "object",
+                                                             "additionalProperties": _str}}}),
+                      "401": _json(ERROR)}}},
+    "/v1/nodes/{id}/incarnation": {"post": {
+        "summary": "Record which incarnation node {id}'s data directory is (a node records its own); "
+                   "a recorded one is replaced only by naming it in replaces (--replace)",
+        "security": [{"bearer": []}],
+        "parameters": [{"name": "id", "in": "path", "required": True, "schema": _int}],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["incarnation"],
+            "properties": {"incarnation": _str, "replaces": _opt_str}}}}},
+        "responses": {"200": _json({"type": "object"}), "400": _json(ERROR), "401": _json(ERROR)}}},
     "/v1/nodes/{id}/drain": {"post": {
         "summary": "Drain a node: its replicas move away one at a time, then it is removed and exits",
         "security": [{"bearer": []}],

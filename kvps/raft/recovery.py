@@ -37,7 +37,8 @@ leader dies before the replica has caught up, the shard waits for it to come bac
 electing a member that may lack acknowledged entries (etcd's learners make the same trade).
 The file survives a crash of the recovering replica, which then stays recovering after its
 restart. A whole node's data directory lost is a different case (the node's markers are gone
-too): that node must come back as a new node (README, "Guarantees").
+too): ``kvps.node.identity`` refuses it under its old id, unless it is started with ``--replace``,
+which brings every replica of it up recovering.
 """
 from __future__ import annotations
 
@@ -49,9 +50,12 @@ from typing import Any
 from kvps.raft import internals
 from kvps.raft.disk import fsync_dir  # one helper for every durable rename/create here
 
-__all__ = ["MARKER", "Recovery", "forget_hosted", "mark", "prepare_start"]
+__all__ = ["MARKER", "REPLACED", "Recovery", "forget_hosted", "mark", "prepare_start"]
 
 MARKER = "raft.recovering"
+# in a node directory: the node was started with --replace (kvps.node.identity); every replica
+# of it that starts without data lost what the replaced node held
+REPLACED = "REPLACED"
 
 logger = logging.getLogger("kvps.raft")
 
@@ -76,11 +80,12 @@ def prepare_start(node_dir: Path, name: str) -> bool:
     """Called by a node before it starts its replica whose data lives in ``node_dir / name``.
 
     The first start records that this node hosts it (``node_dir/hosted/name``, fsynced); a later
-    start that finds that record but no data marks the replica as recovering. True then."""
+    start that finds that record but no data marks the replica as recovering, as does a start
+    without data on a node that replaced a lost one (``REPLACED``). True then."""
     hosted = node_dir / "hosted" / name
     data = node_dir / name
     has_data = data.is_dir() and any(data.iterdir())
-    if hosted.exists():
+    if hosted.exists() or (node_dir / REPLACED).exists():
         if has_data:
             return False
         mark(data)

@@ -170,15 +170,15 @@ def test_node_admin_routes_are_read_only(cluster):
     routes = {(r.method, r.resource.canonical) for r in make_app(node).router.routes()
               if r.method != "HEAD"}
     mutating = {("POST", "/v1/nodes"), ("POST", "/v1/nodes/{id}/drain"), ("POST", "/v1/moves"),
-                ("POST", "/v1/rebalance"),
+                ("POST", "/v1/rebalance"), ("POST", "/v1/nodes/{id}/incarnation"),
                 ("POST", "/v1/snapshots"), ("POST", "/v1/snapshots/restore"),
                 ("DELETE", "/v1/snapshots/{id}"), ("POST", "/v1/snapshots/{id}/restore")}
     assert routes == {("GET", p) for p in ("/healthz", "/readyz", "/metrics", "/v1/node",
                                           "/v1/cluster", "/v1/shards/{id}", "/v1/keys",
                                           "/v1/openapi.json", "/v1/assignment", "/v1/meta",
-                                          "/v1/snapshots")} | mutating
-    # every mutating route, and the snapshot list, demand the token
-    for method, path in sorted(mutating | {("GET", "/v1/snapshots")}):
+                                          "/v1/snapshots", "/v1/identity")} | mutating
+    # every mutating route, the snapshot list and the identities demand the token
+    for method, path in sorted(mutating | {("GET", "/v1/snapshots"), ("GET", "/v1/identity")}):
         url = cluster.endpoints[0] + path.replace("{id}", "some-id")
         for token in (None, "wrong-token", ""):
             req = urllib.request.Request(url, data=b"{}" if method != "GET" else None, method=method,

@@ -331,7 +331,7 @@ def test_restore_on_a_replica_that_joined_after_the_snapshot(cluster_factory):
     # node 2 loses its disk and comes back empty: it catches up from its peers and has no file
     c.kill_node(2)
     shutil.rmtree(c.data_dir / "node-2")
-    c.start_node(2)
+    c.start_node(2, replace=True)  # its directory is gone: refused under its id without --replace
     run(put(2.0))
     c.wait_ready(60)
     wait_for(lambda: hashes_agree(c, 1), 60, "the wiped replica to catch up")
