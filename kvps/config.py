@@ -172,6 +172,10 @@ class NodeConfig:
     # "https" when the cluster serves TLS (see ClusterConfig.tls_cert); Raft peer traffic is
     # authenticated with the cluster secret either way.
     scheme: str = "http"
+    # The address this node's sockets listen on, when it is not ``host`` (the address the others
+    # reach it at): e.g. "0.0.0.0" in a container whose DNS name resolves to the pod's address
+    # only. Empty: listen on ``host``. ``kvps node --bind`` sets it for one process.
+    bind: str = ""
 
     def raft_address(self, shard: int) -> str:
         return f"{self.host}:{self.port_base + 2 * shard}"
@@ -185,6 +189,14 @@ class NodeConfig:
     @property
     def admin_url(self) -> str:
         return f"{self.scheme}://{self.host}:{self.admin_port}"
+
+    @property
+    def listen_host(self) -> str:
+        return self.bind or self.host
+
+    def raft_bind(self, port: int) -> str | None:
+        """pysyncobj's ``bindAddress`` for a Raft port of this node (None: its own address)."""
+        return f"{self.bind}:{port}" if self.bind else None
 
 
 @dataclass(frozen=True)
@@ -236,6 +248,13 @@ class ClusterConfig:
 
     def node(self, node_id: int) -> NodeConfig:
         return self.nodes[node_id]
+
+    def with_bind(self, node_id: int, bind: str | None) -> "ClusterConfig":
+        """This config with node ``node_id`` listening on ``bind`` (None: unchanged)."""
+        if not bind:
+            return self
+        nodes = tuple(dataclasses.replace(n, bind=bind) if n.id == node_id else n for n in self.nodes)
+        return dataclasses.replace(self, nodes=nodes)
 
     def replica_nodes(self, shard: int) -> list[int]:
         """Nodes hosting ``shard``; the first is the preferred leader."""
@@ -292,7 +311,8 @@ def dump_cluster(cfg: ClusterConfig) -> str:
                   if getattr(obj, f.name) != getattr(default, f.name)]
     for node in cfg.nodes:
         lines += ["", "[[nodes]]"]
-        lines += [f"{f.name} = {_toml_value(getattr(node, f.name))}" for f in dataclasses.fields(node)]
+        lines += [f"{f.name} = {_toml_value(getattr(node, f.name))}" for f in dataclasses.fields(node)
+                  if f.name != "bind" or node.bind]
     return "\n".join(lines) + "\n"
 
 

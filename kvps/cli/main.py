@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     node = sub.add_parser("node", help="run one node of a cluster")
     node.add_argument("--config", required=True)
     node.add_argument("--id", type=int, required=True)
+    node.add_argument("--bind", help="listen on this address (e.g. 0.0.0.0 in a container) instead "
+                                     "of the node's host in cluster.toml, which stays the address "
+                                     "the others reach it at")
     node.add_argument("--replace", action="store_true",
                       help="this node takes the place of node ID, whose data directory was lost: "
                            "a new incarnation whose replicas come back recovering (no vote until "
@@ -105,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--peers", help="raft addresses of the other members, comma-separated "
                                      "(default: the config's placement)")
     rep.add_argument("--join", action="store_true", help="join an existing group (a moved replica)")
+    rep.add_argument("--bind", help="listen address (set by the node from its own --bind)")
 
     st = sub.add_parser("status", help="shards, leaders, terms, health")
     st.add_argument("--endpoint", default=os.environ.get("KVPS_ENDPOINT", DEFAULT_ENDPOINT))
@@ -187,10 +191,10 @@ def main(argv: list[str] | None = None) -> int:
             peers = None if args.peers is None else [p for p in args.peers.split(",") if p]
             from kvps.replica.main import run_replica
             asyncio.run(run_replica(Path(args.config).resolve(), args.node, args.shard, peers,
-                                    args.join))
+                                    args.join, bind=args.bind))
         elif args.command == "node":
             from kvps.node.main import run_node
-            asyncio.run(run_node(Path(args.config).resolve(), args.id, replace=args.replace))
+            asyncio.run(run_node(Path(args.config).resolve(), args.id, replace=args.replace, bind=args.bind))
         elif args.command == "up":
             return _cmd_up(args)
         elif args.command == "status":

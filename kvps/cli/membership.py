@@ -70,8 +70,10 @@ def join(args: argparse.Namespace) -> int:
     # its id back; a wiped directory is a new incarnation and never gets an old id.
     held = [i for i in (Identity.load(p) for p in sorted(data_dir.glob("node-*"))) if i is not None]
     incarnation = held[0].incarnation if held else uuid.uuid4().hex
+    # With --secret-file (a mounted Secret) the cluster secret is not asked for over the wire.
+    secret = Path(args.secret_file).read_text().strip() if args.secret_file else None
     body = {"host": args.host, "admin_port": args.port, "port_base": args.port + 1,
-            "incarnation": incarnation}
+            "incarnation": incarnation, "want_secret": secret is None}
     reply = _retrying(lambda: _request("POST", args.seed.rstrip("/") + "/v1/nodes", args.token, body),
                       f"join via {args.seed}", args.wait)
     node_id = int(reply["id"])
@@ -84,13 +86,13 @@ def join(args: argparse.Namespace) -> int:
         (node_dir / "assignment.json").write_text(json.dumps(reply["assignment"]))
     if "meta_members" in reply and not (node_dir / "meta_members.json").exists():
         (node_dir / "meta_members.json").write_text(json.dumps(reply["meta_members"]))
-    for name, text in (("secret", reply["secret"]), ("token", args.token)):
+    for name, text in (("secret", secret or reply["secret"]), ("token", args.token)):
         path = data_dir / name
         path.touch(mode=0o600)
         path.write_text(text + "\n")
     print(f"joined as node {node_id}: admin API http://{args.host}:{args.port}, data in {data_dir}",
           flush=True)
-    asyncio.run(run_node(data_dir / "cluster.toml", node_id))
+    asyncio.run(run_node(data_dir / "cluster.toml", node_id, bind=args.bind))
     return 0
 
 
@@ -136,6 +138,8 @@ def main(argv: list[str]) -> int:
     j.add_argument("--port", type=int, required=True, help="admin port; shard ports follow it")
     j.add_argument("--data-dir", required=True)
     j.add_argument("--host", default="127.0.0.1", help="address the other nodes reach this one at")
+    j.add_argument("--bind", help="listen on this address (e.g. 0.0.0.0 in a container) instead of --host")
+    j.add_argument("--secret-file", help="the cluster secret, e.g. a mounted Secret: not sent over the join")
     j.add_argument("--token", default=os.environ.get("KVPS_TOKEN"))
     j.add_argument("--wait", type=float, default=120.0,
                    help="seconds to keep retrying while the seed is unreachable or busy")

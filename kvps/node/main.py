@@ -12,8 +12,8 @@ from kvps.service.tls import client_context, server_context
 __all__ = ["run_node"]
 
 
-async def run_node(config: Path, node_id: int, *, replace: bool = False) -> None:
-    cfg = load_cluster(config)
+async def run_node(config: Path, node_id: int, *, replace: bool = False, bind: str | None = None) -> None:
+    cfg = load_cluster(config).with_bind(node_id, bind)
     base = config.parent
     token = read_tokens(base / cfg.token_file)[0]
     node = Node(cfg, node_id, config, base / cfg.node(node_id).data_dir, token,

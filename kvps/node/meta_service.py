@@ -46,7 +46,8 @@ class MetaService:
         self.group = ShardGroup(
             self_address=self.address, peers=[a for a in addresses if a != self.address],
             raft=cfg.raft, secret=secret, context="kvps/meta", journal_dir=self.journal_dir,
-            applier=self._apply, snapshot_state=self._snapshot, restore_state=self._restore)
+            applier=self._apply, snapshot_state=self._snapshot, restore_state=self._restore,
+            bind_address=cfg.node(node_id).raft_bind(int(self.address.rsplit(":", 1)[1])))
         if join:  # a replica added to a running group: it must not depose the leader meanwhile
             from kvps.raft.membership import hold_elections
             hold_elections(self.group, 30.0)
@@ -326,7 +327,11 @@ class NodeMembership:
             NodeConfig(id=n["id"], host=n["host"], admin_port=n["admin_port"], port_base=n["port_base"],
                        data_dir=f"node-{n['id']}", scheme=n["scheme"]) for n in nodes),
             secret_file="secret", token_file="token")
-        return {"id": result["id"], "config": dump_cluster(cfg), "secret": self.secret().decode(),
+        want_secret = body.get("want_secret", True)
+        if not isinstance(want_secret, bool):
+            raise InvalidRequest("field 'want_secret' must be a boolean", field="want_secret")
+        return {"id": result["id"], "config": dump_cluster(cfg),
+                **({"secret": self.secret().decode()} if want_secret else {}),
                 "meta_members": meta.state().meta_members,
                 # the new node hosts nothing until the rebalancer places replicas on it (the
                 # config's placement, computed over the grown node list, does not apply)

@@ -111,8 +111,10 @@ class Node:
     # ---- supervision -------------------------------------------------------------------------
 
     def _start(self, rp: ReplicaProcess) -> None:
+        bind = self.cfg.node(self.node_id).bind
         args = python_module_args("kvps.cli", "replica", "--config", str(self.config_path),
                                   "--node", str(self.node_id), "--shard", str(rp.shard),
+                                  *(["--bind", bind] if bind else []),
                                   *self._membership_args(rp.shard))
         if recovery.prepare_start(self.data_dir, f"shard-{rp.shard}"):
             log.warning("node %d: the data of its replica of shard %d is gone; it restarts empty "
@@ -200,7 +202,8 @@ class Node:
         known = {n.id: n for n in self.cfg.nodes}
         new = tuple(NodeConfig(id=n["id"], host=n["host"], admin_port=n["admin_port"],
                                port_base=n["port_base"], scheme=n["scheme"],
-                               data_dir=known[n["id"]].data_dir if n["id"] in known else f"node-{n['id']}")
+                               data_dir=known[n["id"]].data_dir if n["id"] in known else f"node-{n['id']}",
+                               bind=known[n["id"]].bind if n["id"] in known else "")
                     for n in nodes)
         path = self.data_dir / "nodes.json"
         if new != self.cfg.nodes or known_incarnations(nodes) != self._persisted_incarnations:
@@ -285,7 +288,7 @@ class Node:
         runner = web.AppRunner(make_app(self), access_log=None)
         await runner.setup()
         me = self.cfg.node(self.node_id)
-        site = web.TCPSite(runner, me.host, me.admin_port, reuse_address=True,
+        site = web.TCPSite(runner, me.listen_host, me.admin_port, reuse_address=True,
                            ssl_context=self._server_ssl)
         await site.start()
         log.info("node %d: admin API on %s", self.node_id, me.admin_url)

@@ -155,13 +155,13 @@ ADMIN_PATHS: dict[str, dict[str, Any]] = {
     "/v1/meta": {"get": {"summary": "The metadata group's state: nodes, assignment, rebalancing progress",
                          "responses": {"200": _json(META), "503": _json(ERROR, "no metadata replica answered")}}},
     "/v1/nodes": {"post": {
-        "summary": "Join: add a node (host, admin_port, port_base); answers its id, cluster.toml and the secret",
+        "summary": "Join: add a node (host, admin_port, port_base); answers its id, cluster.toml and (unless want_secret is false) the secret",
         "security": [{"bearer": []}],
         "requestBody": {"required": True, "content": {"application/json": {"schema": {
             "type": "object", "required": ["host", "admin_port", "port_base"],
             "properties": {"host": _str, "admin_port": _int, "port_base": _int,
-                           "incarnation": _str}}}}},
-        "responses": {"200": _json({"type": "object", "required": ["id", "config", "secret"],
+                           "incarnation": _str, "want_secret": {"type": "boolean"}}}}}},
+        "responses": {"200": _json({"type": "object", "required": ["id", "config"],
                                     "properties": {"id": _int, "config": _str, "secret": _str}}),
                       "400": _json(ERROR), "401": _json(ERROR)}}},
     "/v1/identity": {"get": {

@@ -122,9 +122,9 @@ class ShardGroup(SyncObj):
                  context: str, journal_dir: Path, applier: Callable[[bytes | memoryview], Any],
                  snapshot_state: Callable[[], Any], restore_state: Callable[[memoryview], None],
                  on_role_change: Callable[[str], None] | None = None,
-                 busy: Callable[[], bool] | None = None) -> None:
+                 busy: Callable[[], bool] | None = None, bind_address: str | None = None) -> None:
         """``busy()``: whether the replica is serving requests right now (compaction writers then
-        run at half speed)."""
+        run at half speed). ``bind_address``: where to listen when not ``self_address``."""
         raft.validate()
         journal_dir = Path(journal_dir)
         journal_dir.mkdir(parents=True, exist_ok=True)
@@ -157,6 +157,7 @@ class ShardGroup(SyncObj):
             deserializer=self._compaction.deserialize,
             serializeChecker=self._compaction.check,
             onStateChanged=self._on_state_changed,
+            bindAddress=bind_address,
         )
         transport = make_transport_class(
             secret=secret, context=context.encode(), max_frame_bytes=raft.max_frame_bytes,

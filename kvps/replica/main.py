@@ -22,11 +22,11 @@ __all__ = ["run_replica"]
 
 
 async def run_replica(config: Path, node_id: int, shard: int, peers: list[str] | None = None,
-                      joining: bool = False) -> None:
+                      joining: bool = False, bind: str | None = None) -> None:
     # Two busy threads share the GIL here (pysyncobj's tick thread and the event loop). With the
     # default 5 ms switch interval every hand-off between them can stall a commit by 5 ms.
     sys.setswitchinterval(0.0005)
-    cfg = load_cluster(config)
+    cfg = load_cluster(config).with_bind(node_id, bind)
     base = config.parent
     node = cfg.node(node_id)
     secret = (base / cfg.secret_file).read_bytes().strip()
@@ -37,7 +37,7 @@ async def run_replica(config: Path, node_id: int, shard: int, peers: list[str] |
                                  client_ssl=client_context(cfg, base), peers=peers, joining=joining)
     runner = web.AppRunner(make_app(replica, tokens), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, node.host, node.data_port(shard), reuse_address=True,
+    await web.TCPSite(runner, node.listen_host, node.data_port(shard), reuse_address=True,
                       ssl_context=server_context(cfg, base)).start()
     logging.getLogger("kvps.replica").info("shard %d replica on node %d serving %s", shard, node_id,
                                            node.data_url(shard))

@@ -103,7 +103,8 @@ class Replica:
             self_address=self.address, peers=peers, raft=cfg.raft, secret=secret,
             context=f"kvps/shard={shard}", journal_dir=journal_dir, applier=self._apply,
             snapshot_state=self._snapshot_state, restore_state=self._restore_state,
-            on_role_change=self._on_role_change, busy=self._serving_recently)
+            on_role_change=self._on_role_change, busy=self._serving_recently,
+            bind_address=cfg.node(node_id).raft_bind(cfg.node(node_id).port_base + 2 * shard))
         if joining:
             raft_membership.hold_elections(self.group, JOIN_ELECTION_HOLD)
         self.leadership = Leadership(cfg, shard, self.address, self.group, propose=self._propose,
