@@ -26,6 +26,7 @@ from kvps.errors import (
     Unauthorized,
     Unavailable,
     VersionConflict,
+    VersionNotIssued,
 )
 from kvps.initializer import Constant, Normal, Uniform, Zeros
 from kvps.optimizer import SGD, Adagrad, Adam, Add
@@ -70,5 +71,6 @@ __all__ = [
     "Unavailable",
     "Uniform",
     "VersionConflict",
+    "VersionNotIssued",
     "Zeros",
 ]

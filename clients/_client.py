@@ -25,7 +25,7 @@ import numpy as np
 
 from kvps.delta import frame
 from kvps.delta.xor import apply_xor
-from kvps.errors import CodecError, InvalidRequest, KvpsError, Unavailable
+from kvps.errors import CodecError, InvalidRequest, KvpsError, Unavailable, VersionNotIssued
 from kvps.initializer import Zeros, initializer_to_dict
 from kvps.optimizer import Add, optimizer_to_dict
 from kvps.placement import DenseLayout, block_shard, layout_for
@@ -44,6 +44,10 @@ __all__ = ["Client", "ClientStats", "RetryPolicy"]
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:7100"
 CONSISTENCIES = ("leader", "linearizable", "follower")
+
+
+def _min_version(min_version: int | Mapping[str, int] | None, key: str) -> int:
+    return int(min_version.get(key, 0) if isinstance(min_version, Mapping) else (min_version or 0))
 
 
 class Client:
@@ -289,8 +293,11 @@ class Client:
     async def pull(self, keys: Iterable[str] | str, *, consistency: str | None = None,
                    min_version: int | Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
         """Current values of ``keys``. Only blocks whose version changed since this client last
-        pulled them cross the wire. ``consistency="follower"`` with ``min_version`` reads from any
-        replica that has applied at least that version."""
+        pulled them cross the wire. ``consistency="follower"`` with ``min_version`` (a version
+        ``push`` or ``set`` returned) reads from any replica that has applied it: on each shard,
+        the shard's own version of the key as a push there returned it, or all the shard's leader
+        has where that is lower (the version came from another shard). ``VersionNotIssued`` at
+        once if no shard has issued it."""
         keys = [keys] if isinstance(keys, str) else list(keys)
         caches = await self._pull_caches(keys, consistency, min_version)
         return {key: caches[key].assemble() for key in keys}
@@ -313,7 +320,7 @@ class Client:
         for key in keys:
             info, layout = await self._layout(key)
             cache = caches[key] = self._cache.setdefault(key, DenseCache(layout))
-            mv = min_version.get(key, 0) if isinstance(min_version, Mapping) else (min_version or 0)
+            mv = _min_version(min_version, key)
             by_shard: dict[int, list[int]] = {}
             for b in range(layout.n_blocks):
                 by_shard.setdefault(block_shard(key, b, self.cluster_map.shards), []).append(b)
@@ -325,6 +332,10 @@ class Client:
             self.call(shard, "pull", {"dense": items, "consistency": consistency,
                                        "delta": self._deltas_for(shard)}, consistency=consistency)
             for shard, items in per_shard.items()])
+        for key in keys:  # every shard holding blocks of the key was asked
+            await self._check_issued(key, _min_version(min_version, key), [
+                resp.meta.get("short", {}).get(key) for resp, items in zip(resps, per_shard.values())
+                if any(it["key"] == key for it in items)])
         for resp in resps:
             for entry in resp.meta["blocks"]:
                 cache, b = caches[entry["key"]], entry["block"]
@@ -338,6 +349,19 @@ class Client:
                     cache.blocks[b] = value
                 cache.versions[b] = entry["version"]
         return caches
+
+    async def _check_issued(self, key: str, min_version: int, short: list[int | None],
+                            others: Iterable[int] = ()) -> None:
+        """``VersionNotIssued`` if no shard of ``key`` has issued ``min_version``. ``short``: per
+        shard asked, its leader's version if below ``min_version``, else None; ``others``: shards
+        of the key not asked (a row pull's), asked now only if every shard asked fell short."""
+        if not min_version or not short or any(v is None for v in short):
+            return
+        latest = max(short)
+        for resp in await self.sender.fan_out([self.call(s, "describe", {"key": key}) for s in others]):
+            latest = max(latest, resp.meta["info"]["version"])
+        if latest < min_version:
+            raise VersionNotIssued(key, min_version, latest)
 
     async def get(self, key: str, *, consistency: str | None = None) -> tuple[np.ndarray, int]:
         """(value, version): the version is the highest block version of ``key``."""
@@ -371,10 +395,13 @@ class Client:
 
     # ---- embedding rows (see _table_rows) ----------------------------------------------------
 
-    async def pull_rows(self, key: str, ids: Any, *, consistency: str | None = None) -> np.ndarray:
+    async def pull_rows(self, key: str, ids: Any, *, consistency: str | None = None,
+                        min_version: int | None = None) -> np.ndarray:
         """Rows ``ids`` of table ``key`` as an array (len(ids), dim); duplicate ids fetched once,
-        and with the row cache only rows whose version changed cross the wire."""
-        return await _table_rows.pull_rows(self, key, ids, self._consistency(consistency))
+        and with the row cache only rows whose version changed cross the wire. ``min_version``
+        (from ``push_rows``) with ``consistency="follower"``: as in ``pull``."""
+        return await _table_rows.pull_rows(self, key, ids, self._consistency(consistency),
+                                           int(min_version or 0))
 
     async def push_rows(self, key: str, ids: Any, grads: Any) -> int:
         """Push row gradients; duplicate ids are summed first. Returns the highest row version."""

@@ -45,16 +45,17 @@ def _batches(client: "Client", key: str, unique: np.ndarray, row_bytes: int) -> 
             yield s, idx[start:start + per_request]
 
 
-async def pull_rows(client: "Client", key: str, ids: Any, consistency: str) -> np.ndarray:
+async def pull_rows(client: "Client", key: str, ids: Any, consistency: str, min_version: int = 0) -> np.ndarray:
     info = await _table(client, key, "pull")
     unique, inverse = np.unique(_ids(await to_host(ids, name="ids")), return_inverse=True)
     groups = _groups(client, key, unique)
+    read = {"consistency": consistency, **({"min_version": min_version} if min_version else {})}
     if client._row_cache:
-        return (await _pull_incremental(client, key, info, unique, groups, consistency))[inverse]
+        return (await _pull_incremental(client, key, info, unique, groups, read))[inverse]
     resps = await client.sender.fan_out([
-        client.call(s, "pull_rows", {"key": key, "ids": 0, "consistency": consistency},
-                    [unique[idx]], consistency=consistency)
+        client.call(s, "pull_rows", {"key": key, "ids": 0, **read}, [unique[idx]], consistency=consistency)
         for s, idx in groups])
+    await _check_issued(client, key, min_version, groups, resps)
     out = np.empty((len(unique), info["dim"]), dtype=np.dtype(info["dtype"]))  # (unique, dim)
     for (_, idx), resp in zip(groups, resps):
         out[idx] = resp.arrays[resp.meta["rows"]]
@@ -62,19 +63,27 @@ async def pull_rows(client: "Client", key: str, ids: Any, consistency: str) -> n
 
 
 async def _pull_incremental(client: "Client", key: str, info: dict, unique: np.ndarray,
-                            groups: list, consistency: str) -> np.ndarray:
+                            groups: list, read: dict) -> np.ndarray:
     """Send the versions held; only changed rows come back (ids and versions compressed)."""
     cache = client._rows.setdefault(key, RowCache(info["dim"], np.dtype(info["dtype"])))
     have = cache.have(unique)  # (unique,) -1 where not held
     resps = await client.sender.fan_out([
-        client.call(s, "pull_rows", {"key": key, "ids": 0, "have": 1, "consistency": consistency},
-                    [unique[idx], have[idx]], consistency=consistency, codec="shuffle-lz4")
+        client.call(s, "pull_rows", {"key": key, "ids": 0, "have": 1, **read},
+                    [unique[idx], have[idx]], consistency=read["consistency"], codec="shuffle-lz4")
         for s, idx in groups])
+    await _check_issued(client, key, read.get("min_version", 0), groups, resps)
     for (_, idx), resp in zip(groups, resps):
         changed = resp.arrays[resp.meta["changed"]]  # positions within this group's ids
         cache.update(unique[idx][changed], resp.arrays[resp.meta["versions"]],
                      resp.arrays[resp.meta["rows"]])
     return cache.rows(unique)
+
+
+async def _check_issued(client: "Client", key: str, min_version: int, groups: list, resps: list) -> None:
+    """A table lives on every shard; a row pull asks only the shards holding its ids."""
+    asked = {s for s, _ in groups}
+    await client._check_issued(key, min_version, [r.meta.get("short", {}).get(key) for r in resps],
+                               [s for s in range(client.cluster_map.shards) if s not in asked])
 
 
 async def push_rows(client: "Client", key: str, ids: Any, grads: Any) -> int:

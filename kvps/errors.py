@@ -10,6 +10,7 @@
     │   └── Overloaded        the leader's in-flight budget is full; back off and retry
     ├── RejectedError         a definitive "no": nothing was changed
     │   ├── VersionConflict   compare-and-set saw another version (``expected``, ``actual``)
+    │   ├── VersionNotIssued  a follower read's ``min_version`` that no shard of the key has issued
     │   ├── KeyNotFound       (alias ``NotFound``)
     │   ├── KeyExists         create of an existing key with a different definition
     │   ├── ShapeMismatch     wrong shape or dtype for the key (``expected``, ``actual``)
@@ -54,6 +55,7 @@ __all__ = [
     "Unauthorized",
     "Unavailable",
     "VersionConflict",
+    "VersionNotIssued",
     "error_from_dict",
 ]
 
@@ -154,6 +156,18 @@ class VersionConflict(RejectedError):
                          block=block, expected=expected, actual=actual, **fields)
 
 
+class VersionNotIssued(RejectedError):
+    """A follower read of ``key`` asked for ``min_version``, which no shard of the key has issued
+    (the highest any shard's leader holds is ``latest``): a replica would wait for it forever."""
+
+    http_status = 409
+
+    def __init__(self, key: str, min_version: int, latest: int, **fields: Any) -> None:
+        super().__init__(f"{key!r} has no version {min_version} on any shard (the latest is {latest}); "
+                         f"min_version must be a version a push or set returned", key=key,
+                         min_version=min_version, latest=latest, **fields)
+
+
 class KeyNotFound(RejectedError):
     http_status = 404
 
@@ -222,7 +236,7 @@ _BY_NAME: dict[str, type[KvpsError]] = {
     cls.__name__: cls
     for cls in (
         KvpsError, RetryableError, Unavailable, ConnectError, Timeout, NotLeader, NoQuorum, Overloaded,
-        RejectedError, VersionConflict, KeyNotFound, KeyExists, ShapeMismatch, Unauthorized,
+        RejectedError, VersionConflict, VersionNotIssued, KeyNotFound, KeyExists, ShapeMismatch, Unauthorized,
         InvalidRequest, RequestTooLarge, NotDrainable, PushExpired, CodecError, ConfigError,
     )
 }

@@ -347,11 +347,10 @@ class ShardState:
         """The live worker clocks of ``job`` at ``now`` (the reader's time)."""
         return self._clocks.live(job, now)
 
-    def block_version_or_absent(self, key: str, block: int) -> int:
-        """-1 for a block this replica has not seen created (it may be behind the leader)."""
-        entry = self._keys.get(key)
-        found = entry.blocks.get(block) if isinstance(entry, DenseKey) else None
-        return -1 if found is None else found.version
+    def key_version_or_absent(self, key: str) -> int:
+        """This shard's version of ``key``, exactly what a push or set on this shard returns for it
+        (the highest block or row version here); -1 for a key this replica has not seen created."""
+        return self._version(key) if key in self._keys else -1
 
     def current_versions(self, req: PushRequest) -> dict[str, int]:
         """The versions a push of ``req``'s keys would report now (one dropped on purpose)."""

@@ -215,7 +215,7 @@ DATA_PATHS: dict[str, dict[str, Any]] = {
         "security": _BEARER,
         "parameters": [{"name": "op", "in": "path", "required": True, "schema": {"enum": [
             "push", "pull", "pull_rows", "stored_rows", "set_rows", "create_key", "create_table", "delete_key", "set",
-            "describe", "keys", "state_hash", "clock_tick", "clocks", "hyperparams", "membership", "snapshot_step",
+            "describe", "keys", "key_versions", "state_hash", "clock_tick", "clocks", "hyperparams", "membership", "snapshot_step",
             "snapshot_status", "snapshot_catalog", "snapshot_prepare"]}}],
         "requestBody": {"required": True, "content": {"application/x-kvps-frame": {"schema": _str}}},
         "responses": {"200": {"description": "response frame",

@@ -217,7 +217,7 @@ async def _pull(replica: Replica, req: frame.Frame):
     if full_codec not in ("none", "lz4", "shuffle-lz4", "auto"):
         full_codec = "none"
     items = []
-    wanted: dict[tuple[str, int], int] = {}
+    wanted: dict[str, int] = {}  # key -> its version on this shard a follower must have reached
     for it in rq.items(req.meta, "dense"):
         key, blocks = rq.key(it), rq.field(it, "blocks", list)
         have = rq.field(it, "have", list, [None] * len(blocks))
@@ -225,9 +225,9 @@ async def _pull(replica: Replica, req: frame.Frame):
             raise InvalidRequest("'blocks' and 'have' must be lists of equal length", key=key)
         min_version = rq.field(it, "min_version", int, 0)
         if min_version:
-            wanted.update({(key, b): min_version for b in blocks})
+            wanted[key] = max(wanted.get(key, 0), min_version)
         items.append((key, blocks, have))
-    await replica.before_read(consistency, wanted)
+    short = await replica.before_read(consistency, wanted)
     out_meta, arrays, codecs = [], [], []
     for key, blocks, have in items:
         current = replica.host.lookup(lambda s: s.read_blocks(key, blocks))
@@ -246,7 +246,13 @@ async def _pull(replica: Replica, req: frame.Frame):
                     codecs.append(full_codec)
             out_meta.append(entry)
     replica.stats.count_pull(sum(a.nbytes for a in arrays))
-    return {"blocks": out_meta}, arrays, codecs
+    return {"blocks": out_meta, **_short(short)}, arrays, codecs
+
+
+def _short(short: dict[str, int]) -> dict:
+    """Keys whose min_version this shard has not issued, with the version it has (the client
+    raises ``VersionNotIssued`` when no shard of a key issued it)."""
+    return {"short": short} if short else {}
 
 
 async def _pull_rows(replica: Replica, req: frame.Frame):
@@ -254,18 +260,20 @@ async def _pull_rows(replica: Replica, req: frame.Frame):
     whose version differs come back, with their positions in ``ids``."""
     key = rq.key(req.meta)
     ids = rq.array(req, req.meta.get("ids"))
-    await replica.before_read(rq.field(req.meta, "consistency", str, "leader"), {})
+    min_version = rq.field(req.meta, "min_version", int, 0)
+    short = _short(await replica.before_read(rq.field(req.meta, "consistency", str, "leader"),
+                                             {key: min_version} if min_version else {}))
     if "have" not in req.meta:
         values, versions = replica.host.lookup(lambda s: s.read_rows(key, ids))
         replica.stats.count_pull(values.nbytes)
-        return {"rows": 0, "versions": 1}, (values, versions)
+        return {"rows": 0, "versions": 1, **short}, (values, versions)
     have = rq.array(req, req.meta.get("have"))
     if have.shape != ids.shape or have.dtype != np.int64:
         raise InvalidRequest("'have' must be int64 versions, one per id", key=key)
     current, values = replica.host.lookup(lambda s: _changed_rows(s, key, ids, have))
     changed = np.flatnonzero(current != have)  # (m,) positions in ids
     replica.stats.count_pull(values.nbytes)
-    return ({"changed": 0, "versions": 1, "rows": 2}, (changed.astype(np.int64), current[changed], values),
+    return ({"changed": 0, "versions": 1, "rows": 2, **short}, (changed.astype(np.int64), current[changed], values),
             ["shuffle-lz4", "shuffle-lz4", "none"])
 
 
@@ -342,6 +350,16 @@ async def _keys(replica: Replica, req: frame.Frame):
     return {"keys": replica.host.lookup(lambda s: s.keys())}, ()
 
 
+async def _key_versions(replica: Replica, req: frame.Frame):
+    """The leader's versions of ``keys`` on this shard (-1: absent), for a follower that is
+    behind a read's min_version."""
+    keys = rq.field(req.meta, "keys", list)
+    if not all(isinstance(k, str) for k in keys):
+        raise InvalidRequest("'keys' must be a list of strings", field="keys")
+    await replica.before_read("leader", {})
+    return {"versions": replica.key_versions(keys)}, ()
+
+
 async def _state_hash(replica: Replica, req: frame.Frame):
     return {"hash": replica.host.lookup(lambda s: s.state_hash()),
             "applied_index": replica.group.status()["applied_index"]}, ()
@@ -397,6 +415,7 @@ HANDLERS: dict[str, Handler] = {
     "set": _set,
     "describe": _describe,
     "keys": _keys,
+    "key_versions": _key_versions,
     "state_hash": _state_hash,
     "clock_tick": _clock_tick,
     "clocks": _clocks,

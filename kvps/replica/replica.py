@@ -288,8 +288,9 @@ class Replica:
 
     # ---- reads -----------------------------------------------------------------------------
 
-    async def before_read(self, consistency: str, min_versions: dict[tuple[str, int], int]) -> None:
-        """Block until this replica may answer a read at ``consistency``."""
+    async def before_read(self, consistency: str, min_versions: dict[str, int]) -> dict[str, int]:
+        """Block until this replica may answer a read at ``consistency``. A follower read returns
+        the keys of ``min_versions`` whose version this shard has not issued (``_wait_versions``)."""
         if consistency == "leader":
             await self.ensure_serving()
         elif consistency == "linearizable":
@@ -298,24 +299,54 @@ class Replica:
             # committed anything we have not applied.
             _unwrap(await self._propose(Barrier(term=self.group.term(), replica=self.address).to_bytes()))
         elif consistency == "follower":
-            await self._wait_versions(min_versions)
+            return await self._wait_versions(min_versions)
         else:
             raise InvalidRequest(f"unknown consistency {consistency!r}")
+        return {}
 
-    async def _wait_versions(self, wanted: dict[tuple[str, int], int]) -> None:
-        if not wanted:
-            return
+    async def _wait_versions(self, wanted: dict[str, int]) -> dict[str, int]:
+        """Wait until this replica's version of each key (per shard, as pushes return it) reaches
+        the version asked, or the version this shard's leader holds where that is lower: a
+        version a push returned from another shard of the key, or one never issued, would
+        never come here. Returns those keys with the leader's version (the client judges
+        whether any shard issued it). Only a replica behind the version asks the leader."""
+        lagging = self._lagging(wanted)
+        if not lagging:
+            return {}
+        issued = await self._leader_versions(sorted(lagging))
+        short = {k: issued[k] for k in lagging if issued[k] < wanted[k]}
+        targets = {k: min(v, issued[k]) for k, v in lagging.items()}
         deadline = time.monotonic() + self.cfg.server.barrier_wait
-        while True:
-            lagging = self.host.lookup(lambda s: [kb for kb, v in wanted.items()
-                                                  if s.block_version_or_absent(*kb) < v])
-            if not lagging:
-                return
+        while lagging := self._lagging(targets):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise Unavailable("replica has not reached min_version", shard=self.shard,
-                                  key=lagging[0][0], block=lagging[0][1])
+                key = min(lagging)
+                raise Unavailable("replica has not reached min_version", shard=self.shard, key=key,
+                                  min_version=targets[key])
             await self._wait_applied(remaining)
+        return short
+
+    def _lagging(self, wanted: dict[str, int]) -> dict[str, int]:
+        return self.host.lookup(lambda s: {k: v for k, v in wanted.items()
+                                           if s.key_version_or_absent(k) < v})
+
+    async def _leader_versions(self, keys: list[str]) -> dict[str, int]:
+        """This shard's committed version of ``keys`` (-1: absent), as its serving leader has it."""
+        if not self.group.is_leader():
+            hint = self.leader_hint()
+            if hint is None:
+                raise Unavailable("no leader known to check min_version against", shard=self.shard)
+            meta = await self._http.rpc(hint, "key_versions", {"keys": keys},
+                                        timeout=self.cfg.server.barrier_wait)
+            versions = meta.get("versions")
+            if not isinstance(versions, dict) or not all(isinstance(versions.get(k), int) for k in keys):
+                raise Unavailable("malformed key_versions reply from the leader", shard=self.shard)
+            return {k: versions[k] for k in keys}
+        await self.ensure_serving()  # its barrier applied: everything committed is applied here
+        return self.key_versions(keys)
+
+    def key_versions(self, keys: list[str]) -> dict[str, int]:
+        return self.host.lookup(lambda s: {k: s.key_version_or_absent(k) for k in keys})
 
     def clocks(self, job: str) -> dict[str, int]:
         """Live worker clocks of ``job``; leases are judged by this replica's cluster time."""

@@ -370,3 +370,76 @@ def test_a_pull_in_flight_survives_a_concurrent_create_of_its_key():
 
     value, version = asyncio.run(main())
     assert value.tolist() == [0.0, 1.0, 2.0, 3.0] and version == 3
+
+
+# ---- follower reads: whether any shard issued min_version is judged from the replies ----------
+
+TWO_SHARDS = {
+    "cluster": {"shards": 2, "replicas": 1, "block_bytes": 1 << 20, "max_push_bytes": 1 << 20},
+    "nodes": [],
+    "shards": [{"id": s, "leader": 0, "leader_url": f"http://s{s}", "term": 1,
+                "replicas": [{"node": 0, "data_url": f"http://s{s}"}]} for s in range(2)],
+}
+
+
+class ShortShards:
+    """Two shards, one replica each; ``versions[s]``: shard s's version of every key. A follower
+    read reports the key short where that is below its min_version, as a replica does."""
+
+    def __init__(self, versions: list[int]):
+        self.versions = versions
+        self.ops: list[tuple[int, str]] = []
+
+    async def __call__(self, method, url, body, headers):
+        if url.endswith("/v1/cluster"):
+            return 200, json.dumps(TWO_SHARDS).encode()
+        base, op = url.split("/v1/rpc/")
+        shard = int(base[-1])
+        self.ops.append((shard, op))
+        req, version = frame.decode(body), self.versions[shard]
+        info = {"key": "a", "kind": "dense", "shape": [2], "dtype": "float32", "block_rows": 1,
+                "optimizer": {"name": "add"}, "merge": "sum", "version": version}
+        if req.meta.get("key") == "t":
+            info = {**info, "key": "t", "kind": "table", "dim": 2, "init": {"name": "zeros"}}
+        if op == "describe":
+            return 200, frame.encode(frame.KIND_RESPONSE, {"info": info})
+        want = max([req.meta.get("min_version", 0), *(it.get("min_version", 0) for it in req.meta.get("dense", []))])
+        short = {"short": {info["key"]: version}} if version < want else {}
+        if op == "pull":
+            (it,) = req.meta["dense"]
+            blocks = [{"key": "a", "block": b, "version": version, "array": i} for i, b in enumerate(it["blocks"])]
+            return 200, frame.encode(frame.KIND_RESPONSE, {"blocks": blocks, **short},
+                                     [np.zeros(1, np.float32)] * len(blocks))
+        if op == "pull_rows":
+            n = len(req.arrays[0])
+            return 200, frame.encode(frame.KIND_RESPONSE, {"rows": 0, "versions": 1, **short},
+                                     [np.zeros((n, 2), np.float32), np.full(n, version, np.int64)])
+        raise AssertionError(op)
+
+
+def follower_read(fake: ShortShards, read):
+    async def main():
+        async with make(fake, row_cache=False) as ps:
+            return await read(ps)
+    return asyncio.run(main())
+
+
+def test_a_version_one_shard_issued_is_read_from_every_shard():
+    # key "a" has one block on each shard; table "t"'s rows 2 and 4 live on shard 0
+    fake = ShortShards([3, 7])
+    value = follower_read(fake, lambda ps: ps.pull("a", consistency="follower", min_version=7))
+    assert value["a"].shape == (2,)
+    rows = follower_read(fake, lambda ps: ps.pull_rows("t", [2, 4], consistency="follower", min_version=7))
+    assert rows.shape == (2, 2)
+    assert (1, "describe") in fake.ops  # shard 0 fell short: the shard not asked was
+
+
+def test_a_version_no_shard_issued_is_refused():
+    fake = ShortShards([3, 7])
+    with pytest.raises(kc.VersionNotIssued) as err:
+        follower_read(fake, lambda ps: ps.pull("a", consistency="follower", min_version=8))
+    assert (err.value.key, err.value.min_version, err.value.latest) == ("a", 8, 7)
+    with pytest.raises(kc.VersionNotIssued) as err:
+        follower_read(fake, lambda ps: ps.pull_rows("t", [2, 4], consistency="follower", min_version=9))
+    assert (err.value.key, err.value.min_version, err.value.latest) == ("t", 9, 7)
+    assert kc.VersionNotIssued.__name__ in kc.__all__

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -9,6 +10,8 @@ import torch
 
 import kvps_client as kc
 from conftest import module_cluster
+from kvps.placement import block_shard, row_shards
+from kvps.service.http import PeerClient
 
 pytestmark = pytest.mark.cluster
 
@@ -169,6 +172,108 @@ def test_follower_read_with_min_version(cluster):
             return value, lin
     value, lin = run(main())
     assert np.all(value == 1) and np.all(lin == 1)
+
+
+async def _push_blocks(ps: kc.Client, key: str, blocks: dict[int, np.ndarray]) -> dict[str, int]:
+    """A push that reaches only the shards of ``blocks`` (as one whose other requests failed)."""
+    shards = ps.cluster_map.shards
+    requests = [(block_shard(key, b, shards), {"dense": [{"key": key, "block": b, "array": 0}]}, [g])
+                for b, g in blocks.items()]
+    return await ps._push_requests(requests)
+
+
+def test_follower_read_after_a_push_to_some_shards_completes(cluster):
+    """Blocks on different shards reach different versions (a push that reached one shard only);
+    the version the next push returns is the highest shard's. A follower read with it completes
+    promptly on every replica, not only where a block reached that version."""
+    key = "fr/partial"
+
+    async def main():
+        async with client(cluster, timeout=10) as ps:
+            await ps.create(key, np.zeros((6, 4), np.float32), block_bytes=16)  # 6 blocks of 1 row
+            shards = ps.cluster_map.shards
+            by_shard = {}
+            for b in range(6):
+                by_shard.setdefault(block_shard(key, b, shards), []).append(b)
+            assert len(by_shard) >= 2, by_shard  # the key spans shards
+            first = by_shard[min(by_shard)][0]
+            await _push_blocks(ps, key, {first: np.full((1, 4), 5, np.float32)})
+            await _push_blocks(ps, key, {first: np.full((1, 4), 5, np.float32)})
+            version = (await ps.push({key: np.ones((6, 4), np.float32)}))[key]
+            assert version == 3
+            expected = np.ones((6, 4), np.float32)
+            expected[first] += 10
+            async with PeerClient(token=cluster.token) as peer:  # every replica, followers included
+                for shard, blocks in by_shard.items():
+                    for url in ps.cluster_map.replicas[shard]:
+                        started = time.monotonic()
+                        meta = await peer.rpc(url, "pull", {"consistency": "follower", "dense": [
+                            {"key": key, "blocks": blocks, "have": [None] * len(blocks), "min_version": version}]})
+                        assert time.monotonic() - started < 5, url
+                        assert ("short" in meta) == (first not in blocks), (url, meta)
+            timings = []
+            for _ in range(4):  # routes start at a random replica: leaders and followers
+                started = time.monotonic()
+                value = (await ps.pull(key, consistency="follower", min_version=version))[key]
+                timings.append(time.monotonic() - started)
+                np.testing.assert_array_equal(value, expected)
+            return timings
+    timings = run(main())
+    assert max(timings) < 5, timings
+
+
+def test_follower_read_of_a_version_never_issued_fails_at_once(cluster):
+    """A min_version above every shard's version would never be reached: a typed error at once,
+    not Unavailable retried until the client's timeout."""
+    async def main():
+        async with client(cluster, timeout=30) as ps:
+            await ps.create("fr/never", np.zeros((6, 4), np.float32), block_bytes=16)
+            version = (await ps.push({"fr/never": np.ones((6, 4), np.float32)}))["fr/never"]
+            await ps.create("fr/never1", np.zeros(4, np.float32))
+            version1 = (await ps.push({"fr/never1": np.ones(4, np.float32)}))["fr/never1"]
+            errors, timings = [], []
+            for key, v in [("fr/never", version), ("fr/never1", version1)]:
+                started = time.monotonic()
+                with pytest.raises(kc.VersionNotIssued) as err:
+                    await ps.pull(key, consistency="follower", min_version=v + 100)
+                timings.append(time.monotonic() - started)
+                errors.append(err.value)
+            return version, version1, errors, timings
+    version, version1, errors, timings = run(main())
+    assert max(timings) < 5, timings
+    assert [(e.key, e.min_version, e.latest) for e in errors] == [
+        ("fr/never", version + 100, version), ("fr/never1", version1 + 100, version1)]
+    assert isinstance(errors[0], kc.RejectedError)
+
+
+def test_pull_rows_with_min_version(cluster):
+    """``pull_rows`` takes min_version: rows pushed on one shard read back from any replica, rows of
+    another shard (whose table version is lower) read promptly, a version never issued fails."""
+    key = "fr/emb"
+
+    async def main():
+        async with client(cluster, timeout=30) as ps:
+            await ps.create_table(key, dim=4)
+            shards = ps.cluster_map.shards
+            ids = np.arange(64, dtype=np.int64)
+            where = row_shards(key, ids, shards)
+            mine, other = ids[where == where[0]][:3], ids[where != where[0]][:3]
+            versions = [await ps.push_rows(key, mine, np.ones((3, 4), np.float32)) for _ in range(3)]
+            started = time.monotonic()
+            pushed = await ps.pull_rows(key, mine, consistency="follower", min_version=versions[-1])
+            untouched = await ps.pull_rows(key, other, consistency="follower", min_version=versions[-1])
+            with kc.SyncClient(cluster.endpoints, token=cluster.token, seed=1, row_cache=False) as sync:
+                again = sync.pull_rows(key, mine, consistency="follower", min_version=versions[-1])
+            elapsed = time.monotonic() - started
+            with pytest.raises(kc.VersionNotIssued):
+                await ps.pull_rows(key, other, consistency="follower", min_version=versions[-1] + 100)
+            return versions, pushed, untouched, again, elapsed, time.monotonic() - started - elapsed
+    versions, pushed, untouched, again, elapsed, refused = run(main())
+    assert versions == [1, 2, 3]
+    np.testing.assert_array_equal(pushed, np.full((3, 4), 3, np.float32))
+    np.testing.assert_array_equal(again, pushed)
+    np.testing.assert_array_equal(untouched, np.zeros((3, 4), np.float32))
+    assert elapsed < 5 and refused < 5, (elapsed, refused)
 
 
 def test_sync_client(cluster):
