@@ -108,6 +108,10 @@ class RaftConfig:
 class ServerConfig:
     # Data-plane request bodies above this are refused (413) before they are read.
     max_request_bytes: int = 64 * MiB
+    # Leadership transfers spread the shards' leaders evenly over the nodes once the cluster has
+    # settled (kvps/node/leaders.py): whoever wins an election leads, which can put most of the
+    # leader work on one node.
+    spread_leaders: bool = True
     # Decompressed size cap for a request frame (decompression bombs).
     max_raw_bytes: int = 256 * MiB
     # A request body must arrive within this many seconds (slow or stalled clients).

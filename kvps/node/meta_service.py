@@ -143,8 +143,10 @@ class NodeMembership:
         http = self.node.http
         mover = Mover(http, MetaStore(self.meta), self._node_config, timeout=600)
         meta_mover = MetaMover(http, self.meta, self._node_config, self.node.cfg.shards, timeout=600)
+        from kvps.node.leaders import LeaderBalancer
+        leaders = LeaderBalancer(mover) if self.node.cfg.server.spread_leaders else None
         self._rebalancer = asyncio.create_task(
-            Rebalancer(self.meta, mover, self.node.cfg.replicas, meta_mover=meta_mover).run())
+            Rebalancer(self.meta, mover, self.node.cfg.replicas, meta_mover=meta_mover, leaders=leaders).run())
 
     async def _stop_meta(self) -> None:
         """This node's metadata replica was removed from the group: stop it and follow the

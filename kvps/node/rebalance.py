@@ -317,9 +317,10 @@ class Rebalancer:
     resumes an interrupted move."""
 
     def __init__(self, meta: Any, mover: Mover, replicas: int, *, period: float = 0.5,
-                 meta_mover: MetaMover | None = None) -> None:
+                 meta_mover: MetaMover | None = None, leaders: Any = None) -> None:
         self.meta = meta
         self.mover = mover
+        self.leaders = leaders  # a kvps.node.leaders.LeaderBalancer, run when nothing moves
         self.meta_mover = meta_mover
         self.replicas = replicas
         self.period = period
@@ -356,7 +357,9 @@ class Rebalancer:
                     await self.meta.propose({"op": "set_node_state", "id": node["id"], "state": "removed"})
                     log.info("rebalancer: node %d drained and removed", node["id"])
                     return True
-            return False
+            if self.leaders is None or not state.rebalance.get("auto", True):
+                return False  # POST /v1/rebalance {"auto": false} stops spreading leaders too
+            return await self.leaders.step(state)
         shard, source, target = move
         done = int(state.rebalance.get("moves_done", 0))
         if not state.rebalance.get("moving"):
