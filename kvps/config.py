@@ -148,12 +148,23 @@ class ServerConfig:
     snapshot_hold: float = 5.0
     snapshot_every: float = 0.0
     snapshot_keep: int = 0
+    # Data and admin ports (kvps/service/connections.py): a connection with no request in
+    # progress is closed after idle_timeout seconds. Above the clients' keep-alive (aiohttp's
+    # connector drops a pooled connection after 15 s idle), so a client never sends on a
+    # connection the server is closing; far below aiohttp's own default (an hour).
+    idle_timeout: float = 60.0
+    # Connections open at once from one remote IP; more are answered 429 and closed. A client
+    # opens at most 16 per server (limit_per_host) and a training host runs tens of workers
+    # (8 GPUs x dataloader/worker processes, each a client): 1024 leaves room for 64 clients on
+    # one address and still stops one address from holding every descriptor (ulimit -n is
+    # often 1024-65536 per process).
+    max_connections_per_peer: int = 1024
 
     def validate(self) -> "ServerConfig":
         _positive(self, "max_request_bytes", "max_raw_bytes", "body_timeout", "batch_bytes",
                   "max_inflight_proposals", "max_inflight_bytes", "overload_wait", "barrier_wait",
                   "delta_depth", "delta_history_bytes",
-                  "session_ttl")
+                  "session_ttl", "idle_timeout", "max_connections_per_peer")
         if self.merge_window < 0:
             raise ConfigError("merge_window must be >= 0", field="merge_window")
         if self.nonfinite not in ("reject", "skip"):

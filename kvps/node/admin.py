@@ -9,22 +9,98 @@ membership routes (``kvps.node.meta_service``) are added by their owners.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import re
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from kvps.assignment import Assignment
 from kvps.config import ClusterConfig
-from kvps.errors import KvpsError
+from kvps.errors import InvalidRequest, KeyNotFound, KvpsError, RequestTooLarge, Timeout
 from kvps.node import identity
 from kvps.node.metrics import merge_expositions
 from kvps.node.openapi import document
+from kvps.replica.dataplane import request_id_of
 from kvps.replica.metrics import CONTENT_TYPE
 
 if TYPE_CHECKING:
     from kvps.node.node import Node
 
-__all__ = ["build_cluster_map", "cluster_view", "make_app", "metrics_text", "node_view", "shard_view"]
+__all__ = ["ADMIN_MAX_BODY", "build_cluster_map", "cluster_view", "json_body", "make_app",
+           "metrics_text", "node_view", "path_id", "shard_view"]
+
+log = logging.getLogger("kvps.admin")
+
+# Admin bodies are a few fields (the largest, a join, is ~100 bytes): anything near this is hostile.
+ADMIN_MAX_BODY = 64 * 1024
+
+# ASCII digits only: str.isdigit() and int() also accept "²", "١" or "1_0".
+_ID = re.compile(r"^[0-9]{1,9}$")
+
+
+def path_id(request: web.Request, what: str) -> int:
+    """The ``{id}`` of an admin path as a non-negative integer; anything else is ``InvalidRequest``."""
+    text = request.match_info["id"]
+    if not _ID.match(text):
+        raise InvalidRequest(f"bad {what} id {text[:64]!r}: a non-negative integer", field="id")
+    return int(text)
+
+
+async def json_body(request: web.Request) -> dict[str, Any]:
+    """The request's body as a JSON object (``{}`` when there is none); anything else, including
+    JSON nested past the parser's recursion limit, is ``InvalidRequest``."""
+    raw = await request.read()  # cached by the middleware (can_read_body is False after that)
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequest(f"the body is not JSON: {str(exc)[:100]}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    return body
+
+
+def _refusal(status: int, reason: str) -> tuple[KvpsError, int]:
+    """aiohttp's own refusals (no such route, method, a body over the cap) as kvps errors, with
+    aiohttp's status (405 stays 405: an ``InvalidRequest`` the client need not retry)."""
+    if status == 413:
+        return RequestTooLarge(f"admin request bodies are at most {ADMIN_MAX_BODY} bytes"), 413
+    if status == 404:
+        return KeyNotFound("no such admin route"), 404
+    return InvalidRequest(reason), status
+
+
+def _error_middleware(node: "Node"):
+    """One boundary for every admin route: the body read here (capped, within
+    ``server.body_timeout``; handlers get it cached), kvps errors and aiohttp's 4xx answered as
+    kvps error JSON, each refusal a log line. Anything else is a bug: aiohttp logs it as a 500."""
+    body_timeout = node.cfg.server.body_timeout
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Any) -> web.StreamResponse:
+        rid = request_id_of(request)
+        try:
+            if request.can_read_body:
+                try:
+                    await asyncio.wait_for(request.read(), body_timeout)
+                except asyncio.TimeoutError:
+                    raise Timeout(f"the request body did not arrive within {body_timeout} s") from None
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            err, status = _refusal(exc.status, exc.reason)
+        except KvpsError as exc:
+            err, status = exc, exc.http_status
+        if status < 500:
+            log.info("node %d: %s %s [%s] refused: %s: %s", node.node_id, request.method,
+                     request.rel_url.path[:200], rid, type(err).__name__, err.message)
+        return web.json_response(err.to_dict(), status=status, headers={"X-Request-Id": rid})
+
+    return errors
 
 
 def node_view(node: "Node") -> dict[str, Any]:
@@ -62,7 +138,7 @@ async def cluster_view(node: "Node") -> dict[str, Any]:
     return node.membership.annotate(build_cluster_map(node.cfg, views, node.assignment))
 
 def make_app(node: "Node") -> web.Application:
-    app = web.Application()
+    app = web.Application(client_max_size=ADMIN_MAX_BODY, middlewares=[_error_middleware(node)])
 
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -85,22 +161,16 @@ def make_app(node: "Node") -> web.Application:
         return web.Response(text=await metrics_text(node), headers={"Content-Type": CONTENT_TYPE})
 
     async def shard(request: web.Request) -> web.Response:
-        try:
-            shard_id = int(request.match_info["id"])
-        except ValueError:
-            shard_id = -1
-        if not 0 <= shard_id < node.cfg.shards:
-            return web.json_response({"error": "KeyNotFound", "message": "no such shard"}, status=404)
+        shard_id = path_id(request, "shard")
+        if shard_id >= node.cfg.shards:
+            raise KeyNotFound(f"no shard {shard_id}", shard=shard_id)
         return web.json_response(await shard_view(node, shard_id))
 
     async def keys(request: web.Request) -> web.Response:
         from kvps_client import Client  # the node reads keys like any client would
-        try:
-            async with Client([node.cfg.node(node.node_id).admin_url], token=node.token,
-                              timeout=5.0, ssl=node._client_ssl) as c:
-                return web.json_response({"keys": await c.keys()})
-        except KvpsError as exc:
-            return web.json_response(exc.to_dict(), status=exc.http_status)
+        async with Client([node.cfg.node(node.node_id).admin_url], token=node.token,
+                          timeout=5.0, ssl=node._client_ssl) as c:
+            return web.json_response({"keys": await c.keys()})
 
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -187,20 +187,19 @@ def add_routes(app: Any, node: Any) -> None:
         return web.json_response({"node": node.node_id, "incarnation": mine.incarnation if mine else None,
                                   "known": {str(k): v for k, v in node.known_incarnations().items()}})
 
-    async def record(meta: Any, body: dict[str, Any], path_id: str) -> dict[str, Any]:
-        if not path_id.isdigit():
-            raise InvalidRequest(f"bad node id {path_id!r}", field="id")
+    async def record(meta: Any, body: dict[str, Any], node_id: int) -> dict[str, Any]:
         incarnation, replaces = body.get("incarnation"), body.get("replaces")
         if not isinstance(incarnation, str) or not incarnation or len(incarnation) > 64:
             raise InvalidRequest("field 'incarnation' must be a non-empty string", field="incarnation")
         if replaces is not None and not isinstance(replaces, str):
             raise InvalidRequest("field 'replaces' must be a string or null", field="replaces")
-        return await meta.propose({"op": "set_incarnation", "id": int(path_id),
+        return await meta.propose({"op": "set_incarnation", "id": node_id,
                                    "incarnation": incarnation, "replaces": replaces})
 
     async def post_incarnation(request: web.Request) -> web.Response:
-        path_id = request.match_info["id"]
-        return await node.membership.guarded(request, lambda meta, body: record(meta, body, path_id))
+        from kvps.node.admin import path_id  # ASCII digits only ("²" passes str.isdigit, not int)
+        return await node.membership.guarded(
+            request, lambda meta, body: record(meta, body, path_id(request, "node")))
 
     app.router.add_get("/v1/identity", get_identity)
     app.router.add_post("/v1/nodes/{id}/incarnation", post_incarnation)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvps.config import ClusterConfig
-from kvps.errors import ConnectError, InvalidRequest, KvpsError, NotDrainable
+from kvps.errors import ConnectError, InvalidRequest, KvpsError, NotDrainable, Unavailable
 from kvps.meta import MetaState, meta_address
 from kvps.raft import bridge, recovery
 from kvps.raft.group import ShardGroup
@@ -249,20 +249,19 @@ class NodeMembership:
     def add_routes(self, app: Any) -> None:
         from aiohttp import web
 
+        from kvps.node.admin import path_id
 
         async def get_meta(request: web.Request) -> web.Response:
             data = await self.fetch()
             if data is None:
-                return web.json_response({"error": "Unavailable", "message": "no metadata replica answered"},
-                                         status=503)
+                raise Unavailable("no metadata replica answered")
             return web.json_response(data)
 
         async def join(request: web.Request) -> web.Response:
             return await self.guarded(request, self._join)
 
         async def drain(request: web.Request) -> web.Response:
-            node_id = request.match_info["id"]
-            return await self.guarded(request, lambda meta, body: self._drain(meta, node_id))
+            return await self.guarded(request, lambda meta, body: self._drain(meta, path_id(request, "node")))
 
         async def move(request: web.Request) -> web.Response:
             return await self.guarded(request, self._move)
@@ -278,32 +277,21 @@ class NodeMembership:
 
     async def guarded(self, request: Any, action: Any) -> Any:
         """Token checked, body read as a JSON object, ``action(meta, body)`` run on this node's
-        metadata replica (or the call forwarded to a node that runs one); kvps errors answered
-        as such, with a log line for refusals."""
+        metadata replica (or the call forwarded to a node that runs one). Refusals are answered
+        and logged by the admin app's middleware (``kvps.node.admin``)."""
         from aiohttp import web
-        try:
-            self.node._check_token(request)
-            meta = self.meta
-            if meta is None:
-                return await self._forward(request)
-            try:
-                body = await request.json() if request.can_read_body else {}
-            except ValueError as exc:
-                raise InvalidRequest(f"the body is not JSON: {exc}") from None
-            if not isinstance(body, dict):
-                raise InvalidRequest("the body must be a JSON object")
-            return web.json_response(await action(meta, body))
-        except KvpsError as exc:
-            if exc.http_status < 500:
-                log.info("node %d: %s %s refused: %s: %s", self.node.node_id, request.method,
-                         request.rel_url.path, type(exc).__name__, exc.message)
-            return web.json_response(exc.to_dict(), status=exc.http_status)
 
-    async def _forward(self, request: Any) -> Any:
+        from kvps.node.admin import json_body
+        self.node._check_token(request)
+        body = await json_body(request)
+        if self.meta is None:
+            return await self._forward(request, body)
+        return web.json_response(await action(self.meta, body))
+
+    async def _forward(self, request: Any, body: dict[str, Any]) -> Any:
         """A node without a metadata replica passes the call to one that has it (this node's
         token: the caller's was checked already)."""
         from aiohttp import web
-        body = await request.json()
         for n in self.meta_ids:
             url = self.node.cfg.node(n).admin_url + request.rel_url.path
             try:
@@ -312,7 +300,7 @@ class NodeMembership:
                 continue
             except KvpsError as exc:
                 return web.json_response(exc.to_dict(), status=exc.http_status)
-        return web.json_response({"error": "Unavailable", "message": "no metadata node answered"}, status=503)
+        raise Unavailable("no metadata node answered")
 
     async def _join(self, meta: MetaService, body: dict[str, Any]) -> dict[str, Any]:
         import dataclasses
@@ -350,10 +338,7 @@ class NodeMembership:
         await meta.propose({"op": "rebalance", "auto": _field(body, "auto", bool)})
         return meta.state().rebalance
 
-    async def _drain(self, meta: MetaService, path_id: str) -> dict[str, Any]:
-        if not path_id.isdigit():
-            raise InvalidRequest(f"bad node id {path_id!r}", field="id")
-        node_id = int(path_id)
+    async def _drain(self, meta: MetaService, node_id: int) -> dict[str, Any]:
         state = meta.state()
         if not 0 <= node_id < len(state.nodes):
             raise InvalidRequest(f"no node {node_id}", field="id")

@@ -32,6 +32,7 @@ from kvps.node.metrics import NodeMetrics
 from kvps.node.process import python_module_args, spawn, stop_process
 from kvps.raft import recovery
 from kvps.node.snapshot_api import SnapshotService
+from kvps.service.connections import ConnectionLimits
 from kvps.service.http import PeerClient
 
 __all__ = ["Node", "ReplicaProcess"]
@@ -285,8 +286,14 @@ class Node:
     async def run(self, stop: asyncio.Event) -> None:
         self._stop_event = stop
         await self.http.open()
-        runner = web.AppRunner(make_app(self), access_log=None)
+        limits = ConnectionLimits(idle_timeout=self.cfg.server.idle_timeout,
+                                  per_peer=self.cfg.server.max_connections_per_peer,
+                                  registry=self.metrics.registry, node=self.node_id, server="admin")
+        app = make_app(self)
+        app.middlewares.insert(0, limits.middleware)
+        runner = web.AppRunner(app, access_log=None, **limits.runner_kwargs())
         await runner.setup()
+        limits.install(runner)
         me = self.cfg.node(self.node_id)
         site = web.TCPSite(runner, me.listen_host, me.admin_port, reuse_address=True,
                            ssl_context=self._server_ssl)

@@ -9,14 +9,15 @@ shard 0's serving leader, so exactly one node takes the scheduled snapshots at a
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any
 
 from aiohttp import web
 
+from kvps.command import SNAPSHOT_ID
 from kvps.errors import InvalidRequest, KvpsError
+from kvps.node.admin import json_body
 from kvps.node.snapshots import SnapshotCoordinator, parse_time
 
 __all__ = ["SnapshotService"]
@@ -56,32 +57,29 @@ class SnapshotService:
         app.router.add_post("/v1/snapshots/{id}/restore", self._guard(self._restore))
 
     def _guard(self, handler):
+        """Token first; kvps errors are answered (and logged) by the admin app's middleware."""
         async def wrapped(request: web.Request) -> web.Response:
-            try:
-                self.node._check_token(request)
-                return await handler(request)
-            except KvpsError as exc:
-                return web.json_response(exc.to_dict(), status=exc.http_status)
+            self.node._check_token(request)
+            return await handler(request)
         return wrapped
 
-    async def _body(self, request: web.Request) -> dict:
-        if not request.can_read_body:
-            return {}
-        try:
-            body = json.loads(await request.read() or b"{}")
-        except ValueError:
-            raise InvalidRequest("body must be JSON") from None
-        if not isinstance(body, dict):
-            raise InvalidRequest("body must be a JSON object")
-        return body
+    @staticmethod
+    def _snap_id(request: web.Request) -> str:
+        snap_id = request.match_info["id"]
+        if not SNAPSHOT_ID.match(snap_id):
+            raise InvalidRequest(f"bad snapshot id {snap_id[:64]!r}", field="id")
+        return snap_id
 
     async def _list(self, request: web.Request) -> web.Response:
+        flag = request.query.get("all", "0")
+        if flag not in ("0", "1", "false", "true"):
+            raise InvalidRequest(f"all must be 1, true, 0 or false, not {flag[:32]!r}", field="all")
         c = await self.coordinator()
-        snaps = await c.list(include_incomplete=request.query.get("all") in ("1", "true"))
+        snaps = await c.list(include_incomplete=flag in ("1", "true"))
         return web.json_response({"snapshots": snaps})
 
     async def _create(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        body = await json_body(request)
         label = body.get("label", "")
         if not isinstance(label, str):
             raise InvalidRequest("label must be a string", field="label")
@@ -93,15 +91,17 @@ class SnapshotService:
         return web.json_response(snap, status=201)
 
     async def _drop(self, request: web.Request) -> web.Response:
+        snap_id = self._snap_id(request)  # a well-formed id that is not there: {"dropped": false}
         c = await self.coordinator()
-        return web.json_response({"dropped": await c.drop(request.match_info["id"])})
+        return web.json_response({"dropped": await c.drop(snap_id)})
 
     async def _restore(self, request: web.Request) -> web.Response:
+        snap_id = self._snap_id(request)
         c = await self.coordinator()
-        return web.json_response(await c.restore(snap_id=request.match_info["id"]))
+        return web.json_response(await c.restore(snap_id=snap_id))
 
     async def _restore_at(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        body = await json_body(request)
         at = body.get("at")
         if isinstance(at, bool) or not isinstance(at, (int, float, str)):
             raise InvalidRequest("'at' must be a Unix time or an ISO 8601 time", field="at")

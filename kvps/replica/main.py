@@ -13,6 +13,7 @@ from aiohttp import web
 
 from kvps.config import load_cluster
 from kvps.service.auth import TokenStore
+from kvps.service.connections import ConnectionLimits
 from kvps.service.tls import client_context, server_context
 from kvps.replica.dataplane import make_app
 from kvps.replica.replica import Replica
@@ -35,8 +36,15 @@ async def run_replica(config: Path, node_id: int, shard: int, peers: list[str] |
     replica = await Replica.open(cfg, node_id, shard, secret=secret, data_dir=base / node.data_dir,
                                  token=lambda: (tokens.tokens() or (b"",))[0].decode(),
                                  client_ssl=client_context(cfg, base), peers=peers, joining=joining)
-    runner = web.AppRunner(make_app(replica, tokens), access_log=None)
+    limits = ConnectionLimits(idle_timeout=cfg.server.idle_timeout,
+                              per_peer=cfg.server.max_connections_per_peer,
+                              registry=replica.stats.metrics.registry, node=node_id,
+                              server=f"shard-{shard}")
+    app = make_app(replica, tokens)
+    app.middlewares.insert(0, limits.middleware)
+    runner = web.AppRunner(app, access_log=None, **limits.runner_kwargs())
     await runner.setup()
+    limits.install(runner)
     await web.TCPSite(runner, node.listen_host, node.data_port(shard), reuse_address=True,
                       ssl_context=server_context(cfg, base)).start()
     logging.getLogger("kvps.replica").info("shard %d replica on node %d serving %s", shard, node_id,
