@@ -275,12 +275,11 @@ class NodeMembership:
         app.router.add_post("/v1/rebalance", rebalance)
 
     async def guarded(self, request: Any, action: Any) -> Any:
-        """Token checked, body read as a JSON object, ``action(meta, body)`` run on this node's
+        """Body read as a JSON object (the token was checked by the app, ``kvps.node.access``), ``action(meta, body)`` run on this node's
         metadata replica (or the call forwarded to a node that runs one); kvps errors answered
         as such, with a log line for refusals."""
         from aiohttp import web
         try:
-            self.node._check_token(request)
             meta = self.meta
             if meta is None:
                 return await self._forward(request)
@@ -330,8 +329,10 @@ class NodeMembership:
         want_secret = body.get("want_secret", True)
         if not isinstance(want_secret, bool):
             raise InvalidRequest("field 'want_secret' must be a boolean", field="want_secret")
+        from kvps.service.auth import read_tokens
+        tokens = "\n".join(f"{t} {r}" for t, r in read_tokens(self.node.tokens.path))  # every role's
         return {"id": result["id"], "config": dump_cluster(cfg),
-                **({"secret": self.secret().decode()} if want_secret else {}),
+                **({"secret": self.secret().decode(), "tokens": tokens} if want_secret else {}),
                 "meta_members": meta.state().meta_members,
                 # the new node hosts nothing until the rebalancer places replicas on it (the
                 # config's placement, computed over the grown node list, does not apply)
