@@ -88,8 +88,12 @@ def join(args: argparse.Namespace) -> int:
     if "meta_members" in reply and not (node_dir / "meta_members.json").exists():
         (node_dir / "meta_members.json").write_text(json.dumps(reply["meta_members"]))
     # the seed's token file (every role's tokens); with --secret-file (secrets kept off the wire) or
-    # a seed from before roles there is none: this node then accepts the joining (admin) token
-    for name, text in (("secret", secret or reply["secret"]), ("token", reply.get("tokens") or args.token)):
+    # a seed from before roles there is none: the joining (admin) token, unless a token file put
+    # here by hand already accepts it as admin (then it is kept, with its other roles' lines)
+    tokens = reply.get("tokens") or (None if _accepts(data_dir / "token", args.token) else args.token)
+    for name, text in (("secret", secret or reply["secret"]), ("token", tokens)):
+        if text is None:
+            continue
         path = data_dir / name
         path.touch(mode=0o600)
         path.write_text(text + "\n")
@@ -97,6 +101,15 @@ def join(args: argparse.Namespace) -> int:
           flush=True)
     asyncio.run(run_node(data_dir / "cluster.toml", node_id, bind=args.bind))
     return 0
+
+
+def _accepts(token_file: Path, token: str) -> bool:
+    """Whether ``token_file`` exists and holds ``token`` as an admin token."""
+    from kvps.service.auth import read_tokens
+    try:
+        return (token, "admin") in read_tokens(token_file)
+    except (OSError, KvpsError):
+        return False
 
 
 def drain(args: argparse.Namespace) -> int:
