@@ -29,7 +29,7 @@ def meta(cluster: LocalCluster, timeout: float = 5.0) -> dict[str, Any] | None:
     """``GET /v1/meta`` from the first initial node that answers (any node forwards it)."""
     for url in cluster.endpoints:
         try:
-            return request_json("GET", url + "/v1/meta", timeout=timeout)
+            return request_json("GET", url + "/v1/meta", token=cluster.token, timeout=timeout)
         except KvpsError:  # e.g. a node restarting
             continue
     return None

@@ -9,6 +9,7 @@
 from kvps.errors import (
     CodecError,
     ConnectError,
+    Forbidden,
     InvalidRequest,
     KeyExists,
     KeyNotFound,
@@ -45,6 +46,7 @@ __all__ = [
     "CodecError",
     "ConnectError",
     "Constant",
+    "Forbidden",
     "HttpTransport",
     "InvalidRequest",
     "KeyExists",

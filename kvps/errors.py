@@ -15,6 +15,7 @@
     │   ├── KeyExists         create of an existing key with a different definition
     │   ├── ShapeMismatch     wrong shape or dtype for the key (``expected``, ``actual``)
     │   ├── Unauthorized      missing or wrong token
+    │   ├── Forbidden         a valid token whose role is too small (``role``, ``needs``)
     │   ├── InvalidRequest    malformed request, bad argument, NaN/Inf gradient, ...
     │   │   ├── RequestTooLarge  body over the server's cap (HTTP 413)
     │   │   └── NotDrainable     a metadata node, and no node outside the group to take over (HTTP 409)
@@ -37,6 +38,7 @@ __all__ = [
     "CodecError",
     "ConfigError",
     "ConnectError",
+    "Forbidden",
     "InvalidRequest",
     "KeyExists",
     "KeyNotFound",
@@ -198,6 +200,17 @@ class Unauthorized(RejectedError):
     http_status = 401
 
 
+class Forbidden(RejectedError):
+    """A valid token of role ``role`` asked for something that needs role ``needs`` (roles:
+    ``read`` < ``write`` < ``admin``, ``kvps.service.auth``); ``what`` names the route or op."""
+
+    http_status = 403
+
+    def __init__(self, role: str, needs: str, what: str = "", **fields: Any) -> None:
+        super().__init__(f"a {role!r} token may not {what or 'do this'}: it needs the {needs!r} role",
+                         role=role, needs=needs, what=what, **fields)
+
+
 class InvalidRequest(RejectedError):
     http_status = 400
 
@@ -236,7 +249,8 @@ _BY_NAME: dict[str, type[KvpsError]] = {
     cls.__name__: cls
     for cls in (
         KvpsError, RetryableError, Unavailable, ConnectError, Timeout, NotLeader, NoQuorum, Overloaded,
-        RejectedError, VersionConflict, VersionNotIssued, KeyNotFound, KeyExists, ShapeMismatch, Unauthorized,
+        RejectedError, VersionConflict, VersionNotIssued, KeyNotFound, KeyExists, ShapeMismatch,
+        Unauthorized, Forbidden,
         InvalidRequest, RequestTooLarge, NotDrainable, PushExpired, CodecError, ConfigError,
     )
 }

@@ -53,11 +53,14 @@ def wait_for(cond, timeout: float = 20.0, what: str = "condition"):
         raise AssertionError(str(exc)) from None
 
 
-def module_cluster(tmp_path_factory, name: str, **kwargs):
+def module_cluster(tmp_path_factory, name: str, *, before_start=None, **kwargs):
     """Body of a module-scoped cluster fixture: ``yield from module_cluster(f, "api", shards=3)``.
-    Started once for the module, logs shown if it cannot start, always stopped."""
+    Started once for the module, logs shown if it cannot start, always stopped.
+    ``before_start(cluster)``: runs once its files are written (e.g. to add tokens)."""
     c = make_cluster(tmp_path_factory.mktemp(name), **kwargs)
     try:
+        if before_start is not None:
+            before_start(c)
         c.start(timeout=90)
         yield c
     except BaseException:

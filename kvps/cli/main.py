@@ -113,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="shards, leaders, terms, health")
     st.add_argument("--endpoint", default=os.environ.get("KVPS_ENDPOINT", DEFAULT_ENDPOINT))
     st.add_argument("--json", action="store_true")
+    st.add_argument("--token", default=os.environ.get("KVPS_TOKEN"),
+                    help="a token of any role, read is enough (default $KVPS_TOKEN)")
     st.add_argument("--cafile", default=os.environ.get("KVPS_CAFILE"),
                     help="CA certificate to verify an https endpoint (default $KVPS_CAFILE)")
 

@@ -11,7 +11,8 @@ seed cannot be reached or answers with a retryable error (no metadata leader yet
 retries with backoff for ``--wait`` seconds (default 120), printing each retry. The
 rebalancer then moves replicas onto it, one at a time. ``drain`` marks a node draining: its
 replicas move away one at a time, then it is marked removed and its process exits; without
-``--no-wait`` the command prints progress until then. Both need the cluster token.
+``--no-wait`` the command prints progress until then. Both need an ``admin`` token; the joined node's
+token file is the seed's (every role's tokens).
 """
 from __future__ import annotations
 
@@ -86,7 +87,13 @@ def join(args: argparse.Namespace) -> int:
         (node_dir / "assignment.json").write_text(json.dumps(reply["assignment"]))
     if "meta_members" in reply and not (node_dir / "meta_members.json").exists():
         (node_dir / "meta_members.json").write_text(json.dumps(reply["meta_members"]))
-    for name, text in (("secret", secret or reply["secret"]), ("token", args.token)):
+    # the seed's token file (every role's tokens); with --secret-file (secrets kept off the wire) or
+    # a seed from before roles there is none: the joining (admin) token, unless a token file put
+    # here by hand already accepts it as admin (then it is kept, with its other roles' lines)
+    tokens = reply.get("tokens") or (None if _accepts(data_dir / "token", args.token) else args.token)
+    for name, text in (("secret", secret or reply["secret"]), ("token", tokens)):
+        if text is None:
+            continue
         path = data_dir / name
         path.touch(mode=0o600)
         path.write_text(text + "\n")
@@ -94,6 +101,15 @@ def join(args: argparse.Namespace) -> int:
           flush=True)
     asyncio.run(run_node(data_dir / "cluster.toml", node_id, bind=args.bind))
     return 0
+
+
+def _accepts(token_file: Path, token: str) -> bool:
+    """Whether ``token_file`` exists and holds ``token`` as an admin token."""
+    from kvps.service.auth import read_tokens
+    try:
+        return (token, "admin") in read_tokens(token_file)
+    except (OSError, KvpsError):
+        return False
 
 
 def drain(args: argparse.Namespace) -> int:

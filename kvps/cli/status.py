@@ -1,4 +1,5 @@
-"""``kvps status``: shards, leaders, terms, lag and health as a table (``--json`` for scripts)."""
+"""``kvps status``: shards, leaders, terms, lag and health as a table (``--json`` for scripts).
+A ``read`` token is enough (``--token`` or ``$KVPS_TOKEN``)."""
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ def format_status(cmap: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    cmap = request_json("GET", args.endpoint.rstrip("/") + "/v1/cluster", timeout=3.0,
-                        cafile=args.cafile)
+    cmap = request_json("GET", args.endpoint.rstrip("/") + "/v1/cluster", token=args.token,
+                        timeout=3.0, cafile=args.cafile)
     print(json.dumps(cmap, indent=2) if args.json else format_status(cmap))
     return 0

@@ -4,7 +4,8 @@
 and its replicas', merged), ``/v1/node`` (this node's replicas), ``/v1/cluster`` (every node's
 replicas, gathered on request: the map clients route with), ``/v1/shards/{id}``, ``/v1/keys``,
 ``/v1/assignment``, ``/v1/openapi.json``; the snapshot routes (``kvps.node.snapshot_api``) and the
-membership routes (``kvps.node.meta_service``) are added by their owners.
+membership routes (``kvps.node.meta_service``) are added by their owners. Every route but
+``/healthz``, ``/readyz`` and ``/metrics`` needs a token of the role ``kvps.node.access`` names.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kvps.assignment import Assignment
 from kvps.config import ClusterConfig
 from kvps.errors import InvalidRequest, KeyNotFound, KvpsError, RequestTooLarge, Timeout
 from kvps.node import identity
+from kvps.node.access import authorize
 from kvps.node.metrics import merge_expositions
 from kvps.node.openapi import document
 from kvps.replica.dataplane import request_id_of
@@ -138,7 +140,8 @@ async def cluster_view(node: "Node") -> dict[str, Any]:
     return node.membership.annotate(build_cluster_map(node.cfg, views, node.assignment))
 
 def make_app(node: "Node") -> web.Application:
-    app = web.Application(client_max_size=ADMIN_MAX_BODY, middlewares=[_error_middleware(node)])
+    app = web.Application(client_max_size=ADMIN_MAX_BODY,  # roles: kvps.node.access
+                          middlewares=[_error_middleware(node), authorize(node.tokens, node.node_id)])
 
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok\n")

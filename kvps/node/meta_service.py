@@ -276,13 +276,13 @@ class NodeMembership:
         app.router.add_post("/v1/rebalance", rebalance)
 
     async def guarded(self, request: Any, action: Any) -> Any:
-        """Token checked, body read as a JSON object, ``action(meta, body)`` run on this node's
-        metadata replica (or the call forwarded to a node that runs one). Refusals are answered
-        and logged by the admin app's middleware (``kvps.node.admin``)."""
+        """Body read as a JSON object (the token and its role were checked by the app,
+        ``kvps.node.access``), ``action(meta, body)`` run on this node's metadata replica (or the
+        call forwarded to a node that runs one). Refusals are answered and logged by the admin
+        app's middleware (``kvps.node.admin``)."""
         from aiohttp import web
 
         from kvps.node.admin import json_body
-        self.node._check_token(request)
         body = await json_body(request)
         if self.meta is None:
             return await self._forward(request, body)
@@ -320,8 +320,10 @@ class NodeMembership:
         want_secret = body.get("want_secret", True)
         if not isinstance(want_secret, bool):
             raise InvalidRequest("field 'want_secret' must be a boolean", field="want_secret")
+        from kvps.service.auth import read_tokens
+        tokens = "\n".join(f"{t} {r}" for t, r in read_tokens(self.node.tokens.path))  # every role's
         return {"id": result["id"], "config": dump_cluster(cfg),
-                **({"secret": self.secret().decode()} if want_secret else {}),
+                **({"secret": self.secret().decode(), "tokens": tokens} if want_secret else {}),
                 "meta_members": meta.state().meta_members,
                 # the new node hosts nothing until the rebalancer places replicas on it (the
                 # config's placement, computed over the grown node list, does not apply)

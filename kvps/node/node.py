@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import os
@@ -24,7 +23,7 @@ from aiohttp import web
 
 from kvps.assignment import Assignment
 from kvps.config import ClusterConfig, NodeConfig
-from kvps.errors import ConfigError, InvalidRequest, KvpsError, Unauthorized
+from kvps.errors import ConfigError, InvalidRequest, KvpsError
 from kvps.node.admin import make_app
 from kvps.node.identity import Identity, known_incarnations, settle
 from kvps.node.meta_service import NodeMembership
@@ -33,6 +32,7 @@ from kvps.node.process import python_module_args, spawn, stop_process
 from kvps.raft import recovery
 from kvps.node.snapshot_api import SnapshotService
 from kvps.service.connections import ConnectionLimits
+from kvps.service.auth import TokenStore
 from kvps.service.http import PeerClient
 
 __all__ = ["Node", "ReplicaProcess"]
@@ -73,7 +73,7 @@ class ReplicaProcess:
 
 class Node:
     def __init__(self, cfg: ClusterConfig, node_id: int, config_path: Path, data_dir: Path,
-                 token: str, *, server_ssl: ssl.SSLContext | None = None,
+                 tokens: TokenStore, *, server_ssl: ssl.SSLContext | None = None,
                  client_ssl: ssl.SSLContext | None = None, replace: bool = False) -> None:
         self._server_ssl = server_ssl
         self._client_ssl = client_ssl
@@ -81,7 +81,8 @@ class Node:
         self.node_id = node_id
         self.config_path = config_path
         self.data_dir = data_dir
-        self.token = token
+        self.tokens = tokens  # who may call the admin app (kvps.node.access); the first admin
+        # token is what this node sends to other nodes and to replicas
         # Which incarnation of this node the data directory is (kvps.node.identity): settled with
         # the other nodes in run() before any replica starts. ``replace``: --replace.
         self.identity: Identity | None = None
@@ -105,9 +106,14 @@ class Node:
         self._stop_event: asyncio.Event | None = None
         self._stopping = False
         # every call to another kvps process (replicas, other nodes) goes through it
-        self.http = PeerClient(token=token, ssl=client_ssl)
+        self.http = PeerClient(token=tokens.admin_token, ssl=client_ssl)
         self.metrics = NodeMetrics(node_id)
         self.snapshots = SnapshotService(self)  # /v1/snapshots and the snapshot schedule
+
+    @property
+    def token(self) -> str:
+        """The token this node calls other kvps processes with (the token file's first admin one)."""
+        return self.tokens.admin_token()
 
     # ---- supervision -------------------------------------------------------------------------
 
@@ -245,11 +251,6 @@ class Node:
     def request_stop(self) -> None:
         if self._stop_event is not None:
             self._stop_event.set()
-
-    def _check_token(self, request: web.Request) -> None:
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-            raise Unauthorized("missing or wrong token")
 
     async def _poll_once(self) -> None:
         async def one(rp: ReplicaProcess) -> None:

@@ -2,11 +2,16 @@
 
 Served at ``GET /v1/openapi.json`` by every node. ``tests/admin/test_admin.py`` checks it against the
 real routers (every route documented, nothing documented that is not served) and validates live
-responses against the schemas here, so the document cannot drift from the handlers.
+responses against the schemas here, so the document cannot drift from the handlers. Security and
+the role each route needs are added by ``document()`` from the access tables the servers enforce
+(``kvps.node.access``, ``kvps.replica.access``), never written by hand here.
 """
 from __future__ import annotations
 
 from typing import Any
+
+from kvps.node import access as admin_access
+from kvps.replica import access as data_access
 
 __all__ = ["ADMIN_PATHS", "DATA_PATHS", "document"]
 
@@ -130,25 +135,21 @@ ADMIN_PATHS: dict[str, dict[str, Any]] = {
                 "responses": {"200": _json(ASSIGNMENT)}}},
     "/v1/snapshots": {
         "get": {"summary": "Complete snapshots, oldest first (?all=1: unfinished ones too)",
-                "security": [{"bearer": []}],
                 "responses": {"200": _json(SNAPSHOTS), "401": _json(ERROR)}},
         "post": {"summary": "Take a snapshot of every shard, consistent at its timestamp ({\"label\": ...})",
-                 "security": [{"bearer": []}],
                  "responses": {"201": _json(SNAPSHOT), "400": _json(ERROR), "401": _json(ERROR),
                                "503": _json(ERROR, "abandoned (nothing listed)")}}},
     "/v1/snapshots/restore": {"post": {
         "summary": "Restore the newest snapshot at or before {\"at\": unix time | ISO 8601}",
-        "security": [{"bearer": []}],
         "responses": {"200": _json(RESTORED), "400": _json(ERROR), "401": _json(ERROR),
                       "404": _json(ERROR, "no snapshot that early")}}},
     "/v1/snapshots/{id}": {"delete": {
-        "summary": "Drop a snapshot (its files on every replica)", "security": [{"bearer": []}],
+        "summary": "Drop a snapshot (its files on every replica)",
         "parameters": [{"name": "id", "in": "path", "required": True, "schema": _str}],
         "responses": {"200": _json({"type": "object", "properties": {"dropped": _bool}}),
                       "401": _json(ERROR)}}},
     "/v1/snapshots/{id}/restore": {"post": {
         "summary": "Put every key back as it was in this snapshot (every replica checks its file first)",
-        "security": [{"bearer": []}],
         "parameters": [{"name": "id", "in": "path", "required": True, "schema": _str}],
         "responses": {"200": _json(RESTORED), "401": _json(ERROR), "404": _json(ERROR),
                       "500": _json(ERROR, "a replica's file is damaged: nothing restored")}}},
@@ -156,7 +157,6 @@ ADMIN_PATHS: dict[str, dict[str, Any]] = {
                          "responses": {"200": _json(META), "503": _json(ERROR, "no metadata replica answered")}}},
     "/v1/nodes": {"post": {
         "summary": "Join: add a node (host, admin_port, port_base); answers its id, cluster.toml and (unless want_secret is false) the secret",
-        "security": [{"bearer": []}],
         "requestBody": {"required": True, "content": {"application/json": {"schema": {
             "type": "object", "required": ["host", "admin_port", "port_base"],
             "properties": {"host": _str, "admin_port": _int, "port_base": _int,
@@ -167,7 +167,6 @@ ADMIN_PATHS: dict[str, dict[str, Any]] = {
     "/v1/identity": {"get": {
         "summary": "This node's incarnation and the incarnations it knows the others by (a starting "
                    "node asks before it starts any replica)",
-        "security": [{"bearer": []}],
         "responses": {"200": _json({"type": "object", "required": ["node", "incarnation", "known"],
                                     "properties": {"node": _int,
                                                    "incarnation": _opt_str,
@@ -177,7 +176,6 @@ ADMIN_PATHS: dict[str, dict[str, Any]] = {
     "/v1/nodes/{id}/incarnation": {"post": {
         "summary": "Record which incarnation node {id}'s data directory is (a node records its own); "
                    "a recorded one is replaced only by naming it in replaces (--replace)",
-        "security": [{"bearer": []}],
         "parameters": [{"name": "id", "in": "path", "required": True, "schema": _int}],
         "requestBody": {"required": True, "content": {"application/json": {"schema": {
             "type": "object", "required": ["incarnation"],
@@ -185,7 +183,6 @@ ADMIN_PATHS: dict[str, dict[str, Any]] = {
         "responses": {"200": _json({"type": "object"}), "400": _json(ERROR), "401": _json(ERROR)}}},
     "/v1/nodes/{id}/drain": {"post": {
         "summary": "Drain a node: its replicas move away one at a time, then it is removed and exits",
-        "security": [{"bearer": []}],
         "parameters": [{"name": "id", "in": "path", "required": True, "schema": _int}],
         "responses": {"200": _json({"type": "object", "required": ["id", "state"],
                                     "properties": {"id": _int, "state": _str}}),
@@ -193,7 +190,6 @@ ADMIN_PATHS: dict[str, dict[str, Any]] = {
                       "409": _json(ERROR, "NotDrainable: a metadata node, and no node to take its replica")}}},
     "/v1/moves": {"post": {
         "summary": "Queue one replica move (the rebalancer runs it; 503 while another move runs)",
-        "security": [{"bearer": []}],
         "requestBody": {"required": True, "content": {"application/json": {"schema": {
             "type": "object", "required": ["shard", "source", "target"],
             "properties": {"shard": _int, "source": _int, "target": _int}}}}},
@@ -201,18 +197,15 @@ ADMIN_PATHS: dict[str, dict[str, Any]] = {
                       "503": _json(ERROR)}}},
     "/v1/rebalance": {"post": {
         "summary": "Switch automatic evening-out of replicas on or off ({\"auto\": bool})",
-        "security": [{"bearer": []}],
         "requestBody": {"required": True, "content": {"application/json": {"schema": {
             "type": "object", "required": ["auto"], "properties": {"auto": _bool}}}}},
         "responses": {"200": _json({"type": "object"}), "400": _json(ERROR), "401": _json(ERROR)}}},
     "/v1/openapi.json": {"get": {"summary": "This document", "responses": {"200": _json({"type": "object"})}}},
 }
 
-_BEARER = [{"bearer": []}]
 DATA_PATHS: dict[str, dict[str, Any]] = {
     "/v1/rpc/{op}": {"post": {
         "summary": "Data-plane operation on one shard replica (binary kvps frames, see docs/architecture.md)",
-        "security": _BEARER,
         "parameters": [{"name": "op", "in": "path", "required": True, "schema": {"enum": [
             "push", "pull", "pull_rows", "stored_rows", "set_rows", "create_key", "create_table", "delete_key", "set",
             "describe", "keys", "key_versions", "state_hash", "clock_tick", "clocks", "hyperparams", "membership", "snapshot_step",
@@ -227,26 +220,65 @@ DATA_PATHS: dict[str, dict[str, Any]] = {
                           ("429", "overloaded"), ("503", "unavailable"), ("504", "timeout")]}}}},
     "/v1/snapshots/{snap_id}/file": {"get": {
         "summary": "This replica's file of a user snapshot (replicas that lack it fetch it from here)",
-        "security": _BEARER,
         "parameters": [{"name": "snap_id", "in": "path", "required": True, "schema": _str}],
         "responses": {"200": {"description": "the snapshot file",
                               "content": {"application/octet-stream": {"schema": _str}}},
                       "401": _json(ERROR), "404": _json(ERROR)}}},
-    "/v1/status": {"get": {"summary": "This replica's Raft status", "security": _BEARER,
-                           "responses": {"200": _json({"type": "object"}), "401": _json(ERROR)}}},
+    "/v1/status": {"get": {"summary": "This replica's Raft status",                    "responses": {"200": _json({"type": "object"}), "401": _json(ERROR)}}},
     "/healthz": {"get": {"summary": "The replica process is up", "responses": {"200": _text("ok")}}},
     "/metrics": {"get": {"summary": "This replica's metrics",
                          "responses": {"200": _text("exposition", "text/plain; version=0.0.4")}}},
 }
 
 
+_BEARER = [{"bearer": []}]
+_ROLE_DOES = {"read": "reads", "write": "what a training worker does", "admin": "everything"}
+
+
+def _role_text(needs: str) -> str:
+    return f"Needs a token with role `{needs}` or above (roles: read < write < admin)."
+
+
+def _rpc_role_text() -> str:
+    by_role = {role: sorted(op for op, r in data_access.OP_ROLES.items() if r == role)
+               for role in ("read", "write", "admin")}
+    return "Needs a token whose role allows the operation (read < write < admin): " + "; ".join(
+        f"`{role}` ({_ROLE_DOES[role]}): {', '.join(ops)}" for role, ops in by_role.items()) + "."
+
+
+def _secured(paths: dict[str, dict[str, Any]], role_of: Any) -> dict[str, dict[str, Any]]:
+    """``paths`` with each operation's security, role (``x-kvps-role``; the rpc route's roles per
+    op in ``x-kvps-roles``), description and 401/403 answers, from ``role_of(METHOD, path)``."""
+    out: dict[str, dict[str, Any]] = {}
+    for path, ops in paths.items():
+        out[path] = {}
+        for method, op in ops.items():
+            if path == "/v1/rpc/{op}":
+                needs, extra, text = "read", {"x-kvps-roles": dict(data_access.OP_ROLES)}, _rpc_role_text()
+            else:
+                needs = role_of(method.upper(), path)
+                extra, text = {"x-kvps-role": needs}, _role_text(needs) if needs else ""
+            if needs is None:
+                out[path][method] = {**op, "security": [], "description": "Open: no token needed."}
+                continue
+            out[path][method] = {
+                **op, **extra, "security": _BEARER, "description": text,
+                "responses": {**op["responses"], "401": _json(ERROR, "Unauthorized: missing or wrong token"),
+                              "403": _json(ERROR, "Forbidden: the token's role is too small")}}
+    return out
+
+
 def document() -> dict[str, Any]:
-    data = {f"/replica{path}": {**ops} for path, ops in DATA_PATHS.items()}
+    data = {f"/replica{path}": ops
+            for path, ops in _secured(DATA_PATHS, data_access.route_role).items()}
     return {
         "openapi": "3.1.0",
         "info": {"title": "kvps", "version": "1", "description":
                  "Node admin API. Paths under /replica/ are served by each shard replica's data "
-                 "endpoint (its own port, see /v1/cluster), without the /replica prefix."},
+                 "endpoint (its own port, see /v1/cluster), without the /replica prefix. Every "
+                 "route but /healthz, /readyz and /metrics needs a bearer token; tokens carry a "
+                 "role (read < write < admin), and each route names the one it needs "
+                 "(x-kvps-role; 401 without a valid token, 403 with too small a role)."},
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
-        "paths": {**ADMIN_PATHS, **data},
+        "paths": {**_secured(ADMIN_PATHS, admin_access.route_role), **data},
     }

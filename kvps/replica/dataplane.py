@@ -1,8 +1,9 @@
 """The replica's data endpoint (aiohttp): frames in, frames out, typed errors as JSON.
 
 ``POST /v1/rpc/{op}`` with a request frame; the reply is a response frame (200) or
-``{"error": ClassName, "message", "fields"}`` with the error class's HTTP status. Every call needs
-``Authorization: Bearer <token>``. Foreign exceptions are converted to kvps errors here, at one
+``{"error": ClassName, "message", "fields"}`` with the error class's HTTP status. Every call but
+``/healthz`` and ``/metrics`` needs ``Authorization: Bearer <token>`` of the role
+``kvps.replica.access`` names (401 without a valid token, 403 with too small a role). Foreign exceptions are converted to kvps errors here, at one
 boundary; nothing that arrives here is ever unpickled.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvps.delta import frame, lossy
 from kvps.errors import InvalidRequest, KeyNotFound, KvpsError, RequestTooLarge, Timeout
 from kvps.delta.xor import xor_delta
 from kvps.replica import requests as rq
+from kvps.replica.access import OPEN_ROUTES, op_role, route_role
 from kvps.replica.membership import membership_rpc
 from kvps.merge import PushRequest, content_digest
 from kvps.placement import DenseLayout
@@ -35,9 +37,6 @@ __all__ = ["OPEN_ROUTES", "error_response", "make_app", "request_id_of"]
 log = logging.getLogger("kvps.dataplane")
 
 Handler = Callable[[Replica, frame.Frame], Awaitable[tuple[dict, Sequence[np.ndarray]]]]
-
-# Routes that answer without a token (read-only, no data): everything else needs one.
-OPEN_ROUTES = frozenset({("GET", "/healthz"), ("GET", "/metrics")})
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
@@ -61,7 +60,7 @@ def make_app(replica: Replica, tokens: TokenStore) -> web.Application:
         op = request.match_info["op"]
         rid = request_id_of(request)
         try:
-            tokens.check(request.headers.get("Authorization"))
+            tokens.check(request.headers.get("Authorization"), op_role(op), op)
             handler = HANDLERS.get(op)
             if handler is None:
                 raise InvalidRequest(f"unknown operation {op!r}", op=op)
@@ -85,7 +84,8 @@ def make_app(replica: Replica, tokens: TokenStore) -> web.Application:
     async def status(request: web.Request) -> web.Response:
         rid = request_id_of(request)
         try:
-            tokens.check(request.headers.get("Authorization"))
+            tokens.check(request.headers.get("Authorization"), route_role("GET", "/v1/status"),
+                         "GET /v1/status")
         except KvpsError as exc:
             replica.stats.rejected(type(exc).__name__)
             return error_response(exc, rid)
@@ -98,7 +98,8 @@ def make_app(replica: Replica, tokens: TokenStore) -> web.Application:
         """This replica's file of a user snapshot (a replica that lacks it fetches it from here)."""
         rid = request_id_of(request)
         try:
-            tokens.check(request.headers.get("Authorization"))
+            tokens.check(request.headers.get("Authorization"),
+                         route_role("GET", "/v1/snapshots/{snap_id}/file"), "read snapshot files")
             snap_id = request.match_info["snap_id"]
             if not SNAPSHOT_ID.match(snap_id):
                 raise InvalidRequest(f"bad snapshot id {snap_id!r}")

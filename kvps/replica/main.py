@@ -34,7 +34,7 @@ async def run_replica(config: Path, node_id: int, shard: int, peers: list[str] |
     tokens = TokenStore(base / cfg.token_file)
     stop = stop_event()
     replica = await Replica.open(cfg, node_id, shard, secret=secret, data_dir=base / node.data_dir,
-                                 token=lambda: (tokens.tokens() or (b"",))[0].decode(),
+                                 token=tokens.admin_token,
                                  client_ssl=client_context(cfg, base), peers=peers, joining=joining)
     limits = ConnectionLimits(idle_timeout=cfg.server.idle_timeout,
                               per_peer=cfg.server.max_connections_per_peer,

@@ -1,6 +1,16 @@
-"""Bearer tokens: the accepted set lives in a file (one token per line) and is re-read when the
-file changes, so tokens rotate without downtime: add the new line, move clients over, then remove
-the old line. Comparison is constant-time against every accepted token."""
+"""Bearer tokens and their roles.
+
+The token file holds one accepted token per line, ``TOKEN [ROLE]``: ``read`` (GET routes, pulls,
+describe, keys, status), ``write`` (read, plus what a training worker does: pushes, sets, creating
+and deleting keys, clock ticks) or ``admin`` (everything: membership, moves, snapshots). A bare
+``TOKEN`` line is ``admin``, as every token was before roles existed. Blank lines are skipped. A
+process calling another kvps process sends the file's first ``admin`` token.
+
+The file is re-read when it changes, so tokens rotate without downtime: add the new line, move
+clients over, then remove the old line. An unreadable, empty or malformed file keeps the tokens
+read last (a half-written file never locks everyone out). Comparison is constant-time against
+every accepted token.
+"""
 from __future__ import annotations
 
 import hmac
@@ -9,11 +19,46 @@ import os
 import time
 from pathlib import Path
 
-from kvps.errors import Unauthorized
+from kvps.errors import ConfigError, Forbidden, Unauthorized
 
-__all__ = ["TokenStore", "parse_bearer", "read_tokens"]
+__all__ = ["ROLES", "TokenStore", "admin_token", "allows", "parse_bearer", "parse_tokens", "read_tokens"]
 
 log = logging.getLogger("kvps.auth")
+
+ROLES = ("read", "write", "admin")  # each role may do what the ones before it may
+
+
+def allows(role: str, needs: str) -> bool:
+    """Whether a token of ``role`` may call what needs ``needs``."""
+    return ROLES.index(role) >= ROLES.index(needs)
+
+
+def parse_tokens(text: str) -> list[tuple[str, str]]:
+    """``[(token, role)]`` in file order; ``ConfigError`` names the first bad line."""
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        fields = line.split()
+        if not fields:
+            continue
+        if len(fields) > 2 or (len(fields) == 2 and fields[1] not in ROLES):
+            raise ConfigError(f"token file line {number}: expected 'TOKEN [ROLE]' with ROLE one of "
+                              f"{', '.join(ROLES)}", line=number)
+        out.append((fields[0], fields[1] if len(fields) == 2 else "admin"))
+    return out
+
+
+def read_tokens(path: Path) -> list[tuple[str, str]]:
+    """The ``(token, role)`` pairs of a token file, in order."""
+    return parse_tokens(path.read_text())
+
+
+def admin_token(path: Path) -> str:
+    """The token a process sends when it calls another kvps process: the file's first admin one."""
+    for token, role in read_tokens(path):
+        if role == "admin":
+            return token
+    raise ConfigError(f"token file {path} holds no admin token (a line 'TOKEN' or 'TOKEN admin'); "
+                      f"kvps processes call each other with one")
 
 
 class TokenStore:
@@ -22,38 +67,48 @@ class TokenStore:
         self._recheck_every = recheck_every
         self._checked = 0.0
         self._mtime: float | None = None
-        self._tokens: tuple[bytes, ...] = ()
+        self._entries: tuple[tuple[bytes, str], ...] = ()
         self._reload()
 
     def _reload(self) -> None:
         try:
             st = os.stat(self.path)
             if st.st_mtime_ns != self._mtime:
-                lines = self.path.read_text().splitlines()
-                tokens = tuple(line.strip().encode() for line in lines if line.strip())
-                if tokens:  # an empty or half-written file never locks everyone out
-                    if self._mtime is not None and tokens != self._tokens:
-                        log.info("token file %s changed: %d token(s) accepted", self.path, len(tokens))
-                    self._tokens = tokens
+                entries = tuple((t.encode(), r) for t, r in read_tokens(self.path))
+                if entries:  # an empty or half-written file never locks everyone out
+                    if self._mtime is not None and entries != self._entries:
+                        log.info("token file %s changed: %d token(s) accepted", self.path, len(entries))
+                    self._entries = entries
                 self._mtime = st.st_mtime_ns
-        except OSError as exc:
+        except (OSError, ConfigError) as exc:
             log.warning("cannot read token file %s: %s (keeping %d token(s))", self.path, exc,
-                        len(self._tokens))
+                        len(self._entries))
 
-    def tokens(self) -> tuple[bytes, ...]:
+    def entries(self) -> tuple[tuple[bytes, str], ...]:
+        """The accepted ``(token, role)`` pairs, re-read at most every ``recheck_every`` seconds."""
         now = time.monotonic()
         if now - self._checked >= self._recheck_every:
             self._checked = now
             self._reload()
-        return self._tokens
+        return self._entries
 
-    def check(self, authorization: str | None) -> None:
+    def admin_token(self) -> str:
+        """The first admin token (what this process sends to others); "" if there is none."""
+        return next((t.decode() for t, r in self.entries() if r == "admin"), "")
+
+    def check(self, authorization: str | None, needs: str, what: str = "") -> str:
+        """The caller's role; ``Unauthorized`` for a missing or unknown token, ``Forbidden`` for a
+        known one whose role is below ``needs``."""
         given = parse_bearer(authorization)
-        ok = False
-        for token in self.tokens():
-            ok |= hmac.compare_digest(given, token)
-        if not ok:
+        role = None
+        for token, token_role in self.entries():
+            if hmac.compare_digest(given, token):  # every token compared: no early exit
+                role = role or token_role
+        if role is None:
             raise Unauthorized("invalid token")
+        if not allows(role, needs):
+            raise Forbidden(role, needs, what)
+        return role
 
 
 def parse_bearer(authorization: str | None) -> bytes:
@@ -61,8 +116,3 @@ def parse_bearer(authorization: str | None) -> bytes:
     if scheme.lower() != "bearer" or not given.strip():
         raise Unauthorized("missing bearer token")
     return given.strip().encode()
-
-
-def read_tokens(path: Path) -> list[str]:
-    """The tokens in a token file, in order (the first is the one a process sends itself)."""
-    return [line.strip() for line in path.read_text().splitlines() if line.strip()]

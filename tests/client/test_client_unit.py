@@ -115,7 +115,7 @@ def test_rejections_are_not_retried():
         async with make(fake):
             pass
 
-    # the map fetch succeeds (no auth on /v1/cluster); describe is refused at once
+    # the map fetch succeeds (the fake serves /v1/cluster to anyone); describe is refused at once
     async def push():
         async with make(fake) as ps:
             await ps.push({"w": np.ones(4, np.float32)})

@@ -18,13 +18,16 @@ def kvps(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_status_table_json_and_unreachable_endpoint(cluster_factory):
-    c = cluster_factory(shards=2).start()
-    out = kvps("status", "--endpoint", c.endpoints[0])
+    c = cluster_factory(shards=2)
+    with open(c.data_dir / "token", "a") as f:
+        f.write("status-reader read\n")  # status needs no more than a read token
+    c.start()
+    out = kvps("status", "--endpoint", c.endpoints[0], "--token", "status-reader")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split()[:5] == ["shard", "leader", "term", "lag", "health"]
     assert len(lines) == 2 + 2 and "2/2 shards healthy" in lines[-1]
-    js = kvps("status", "--endpoint", c.endpoints[1], "--json")
+    js = kvps("status", "--endpoint", c.endpoints[1], "--json", "--token", "status-reader")
     cmap = json.loads(js.stdout)
     assert [s["id"] for s in cmap["shards"]] == [0, 1]
     assert all(len(s["replicas"]) == 3 for s in cmap["shards"])

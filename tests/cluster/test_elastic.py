@@ -81,7 +81,9 @@ def _own_view(cluster: ChaosCluster, node_id: int) -> dict | None:
     if node is None:
         return None
     try:
-        with urllib.request.urlopen(f"http://{node['host']}:{node['admin_port']}/v1/meta", timeout=2) as r:
+        req = urllib.request.Request(f"http://{node['host']}:{node['admin_port']}/v1/meta",
+                                     headers={"Authorization": f"Bearer {cluster.token}"})
+        with urllib.request.urlopen(req, timeout=2) as r:
             view = json.loads(r.read())
     except (OSError, ValueError, http.client.HTTPException):  # it may be restarting
         return None

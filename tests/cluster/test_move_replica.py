@@ -38,7 +38,9 @@ def converged(cluster, shard: int, nodes: list[int]) -> bool:
 
 
 def assignment_of(cluster, node: int) -> Assignment:
-    with urllib.request.urlopen(cluster.cfg.node(node).admin_url + "/v1/assignment", timeout=2) as r:
+    req = urllib.request.Request(cluster.cfg.node(node).admin_url + "/v1/assignment",
+                                 headers={"Authorization": f"Bearer {cluster.token}"})
+    with urllib.request.urlopen(req, timeout=2) as r:
         return Assignment.from_json(json.loads(r.read()))
 
 

@@ -8,7 +8,7 @@ set -eu
 ordinal=${HOSTNAME##*-}
 [ "$ordinal" -lt 3 ] && exit 0
 secret=${KVPS_SECRET:-/etc/kvps-secret}
-export KVPS_TOKEN="$(cat "$secret/token")"
+KVPS_TOKEN=$(awk 'NF == 1 || $2 == "admin" { print $1; exit }' "$secret/token"); export KVPS_TOKEN
 replicas=$(python3 - <<'PY'
 import json, os, ssl, urllib.request
 sa = os.environ.get("KVPS_SERVICEACCOUNT", "/var/run/secrets/kubernetes.io/serviceaccount")

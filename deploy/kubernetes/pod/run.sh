@@ -15,7 +15,9 @@ service=${KVPS_SERVICE:-kvps}
 domain=${KVPS_DOMAIN:-svc.cluster.local}
 ns=${POD_NAMESPACE:?POD_NAMESPACE comes from the downward API}
 mkdir -p "$data"
-KVPS_TOKEN=$(cat "$secret/token"); export KVPS_TOKEN  # not on a command line (ps shows those)
+# the first admin token of the file ("TOKEN [ROLE]" lines; a bare token is admin), in the
+# environment: not on a command line (ps shows those)
+KVPS_TOKEN=$(awk 'NF == 1 || $2 == "admin" { print $1; exit }' "$secret/token"); export KVPS_TOKEN
 if [ "$ordinal" -lt 3 ]; then
   sed "s/__NAMESPACE__/$ns/g" "$config/cluster.toml" > "$data/cluster.toml"
   # A node whose volume was lost is refused under its id (kvps.node.identity); set
