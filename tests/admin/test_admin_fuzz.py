@@ -86,7 +86,9 @@ def cluster(tmp_path_factory):
 def admin_routes(cluster) -> set[tuple[str, str]]:
     from kvps.node.admin import make_app
     from kvps.node.node import Node
-    node = Node(cluster.cfg, 0, cluster.config_path, cluster.data_dir / "node-0", cluster.token)
+    from kvps.service.auth import TokenStore
+    node = Node(cluster.cfg, 0, cluster.config_path, cluster.data_dir / "node-0",
+                TokenStore(cluster.data_dir / "token"))
     return {(r.method, r.resource.canonical) for r in make_app(node).router.routes()
             if r.method != "HEAD"}
 
@@ -252,7 +254,7 @@ def test_fuzz_admin_routes_refuse_hostile_input_typed_logged_and_harmless(cluste
     wait_for(logged, 10, "a log line for every refused request")
     # and every node still serves, a real client included
     for base in cluster.endpoints:
-        assert send(base, "GET", "/v1/cluster", b"", {})[0] == 200
+        assert send(base, "GET", "/v1/cluster", b"", {"Authorization": f"Bearer {cluster.token}"})[0] == 200
 
     async def train():
         async with kc.Client(cluster.endpoints, token=cluster.token, seed=0) as ps:
