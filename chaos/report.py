@@ -68,8 +68,8 @@ def build_report(state: Any, wl: Any, final: dict, convergence: dict, train: dic
 
 def _elections_after_heal(fault: dict, events: list[dict], window: float = 3.0) -> int | None:
     """Leader or term changes on a cut shard within ``window`` s after the cut healed. Raft with
-    PreVote has none: a rejoining replica whose term grew while it was cut off would otherwise
-    depose a healthy leader (pysyncobj 0.3.17 has no PreVote)."""
+    PreVote (``kvps.raft.prevote``; pysyncobj 0.3.17 has none) has none: a rejoining replica
+    whose term grew while it was cut off would otherwise depose a healthy leader."""
     if fault["kind"] not in ("partition-leader", "isolate-follower") or fault["end"] is None:
         return None
     return sum(1 for e in events if e["shard"] == fault["shard"]
@@ -151,7 +151,7 @@ def _rejoins(faults: list[dict]) -> str:
     if not cuts:
         return "no partitions or isolations ran"
     disrupted = sum(1 for f in cuts if f["elections_after_heal"])
-    why = " (a rejoining replica with a higher term deposed the leader: no PreVote)" if disrupted else ""
+    why = " (a rejoining replica with a higher term deposed the leader)" if disrupted else ""
     return f"{disrupted} of {len(cuts)}{why}"
 
 

@@ -28,6 +28,10 @@ Why it does not make elections more frequent:
 * the report only sets the deadline (``schedule_election``): anything pysyncobj does afterwards
   wins as usual (an append from a leader, or a vote it grants, resets it to a full timeout).
 
+PreVote (``kvps.raft.prevote``) is bypassed for this election: the survivors heard the leader
+well within the minimum election timeout and would refuse the pre-vote, and a cut or a paused
+process closes no connection and refuses no connect, so it cannot take this path.
+
 Why the survivors do not split the vote: the k-th of them by address stands after
 ``stagger * (k + U(0, 1/4))`` (``election_delay``), so the first candidate's vote request has at
 least 3/4 of a stagger to reach the others before their turn (the default, 0.15 s, is for a loaded
@@ -49,7 +53,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pysyncobj.monotonic import monotonic
@@ -82,10 +86,14 @@ def schedule_election(group: Any, delay: float) -> float:
 class FastFailover:
     """The transport's ``on_peer_gone`` for one group (runs on its tick thread)."""
 
-    def __init__(self, group: Any, stagger: float, rng: random.Random | None = None) -> None:
+    def __init__(self, group: Any, stagger: float, rng: random.Random | None = None,
+                 on_scheduled: Callable[[], None] | None = None) -> None:
+        """``on_scheduled()`` runs right after an election deadline was set (``kvps.raft.prevote``
+        lets that election start without asking for pre-votes)."""
         self._group = group
         self._stagger = stagger
         self._rng = rng or random.Random()
+        self._on_scheduled = on_scheduled
         self.scheduled = 0  # elections scheduled because the leader's process was gone
 
     def on_peer_gone(self, address: str) -> None:
@@ -97,6 +105,8 @@ class FastFailover:
         delay = election_delay(group.selfNode.address, (n.address for n in group.otherNodes),
                                address, self._stagger, self._rng.random())
         moved = schedule_election(group, delay)
+        if self._on_scheduled is not None:
+            self._on_scheduled()
         self.scheduled += 1
         logger.info("raft leader %s is gone (connection closed, port refused); standing for "
                     "election in %.0f ms (%+.0f ms)", address, 1000 * delay, 1000 * moved)

@@ -23,6 +23,9 @@ What pysyncobj 0.3.17 forces on us and how this class answers it (DESIGN section
   (``kvps.raft.compaction``).
 * ``commandsWaitLeader=False``: a proposal made while no leader is known fails at once with
   MISSING_LEADER (retryable) instead of waiting, unbounded, in pysyncobj's queue.
+* PreVote (Raft thesis §9.6, ``kvps.raft.prevote``): pysyncobj has none; ``_onTick`` is
+  overridden to hold back an election until a majority would vote for this replica, so a replica
+  that was cut off or paused does not depose a healthy leader when it comes back.
 * ``raft.fast_failover``: when the transport reports that the leader's process is gone (its
   connection closed by its kernel, its port refusing connections), a follower stands for election
   after ~0.1 s instead of a full election timeout (``kvps.raft.failover``).
@@ -61,6 +64,7 @@ from kvps.errors import InvalidRequest
 from kvps.raft import compaction, internals
 from kvps.raft.failover import FastFailover
 from kvps.raft.journal import using_journal
+from kvps.raft.prevote import PreVote
 from kvps.raft.recovery import Recovery
 from kvps.raft.threads import background_priority, name_native_thread
 from kvps.raft.transport import make_transport_class
@@ -144,7 +148,9 @@ class ShardGroup(SyncObj):
         self._compaction = compaction.Compaction(dump_path, raft, snapshot_state, restore_state, busy)
         self._last_tick: float | None = None
         self.tick_stalls = {"max_seconds": 0.0, "over_100ms": 0}  # tick thread gaps
-        self._failover = FastFailover(self, raft.fast_failover_stagger)
+        # An election waits for a majority of pre-votes (kvps.raft.prevote); fast failover's don't.
+        self._prevote = PreVote(self, raft.election_timeout_min)
+        self._failover = FastFailover(self, raft.fast_failover_stagger, on_scheduled=self._prevote.waive)
         # A replica whose lost data was replaced votes only once caught up (kvps.raft.recovery).
         self._recovery = Recovery(journal_dir)
         if self._recovery.active:
@@ -191,6 +197,8 @@ class ShardGroup(SyncObj):
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # noqa: N802
         if self._recovery.withholds(message, internals.current_term(self)):
             return
+        if self._prevote.on_message(node, message, self._recovery.active):
+            return
         if not compaction.is_last_install_chunk(message):
             internals.stock_on_message_received(self, node, message)
             return
@@ -203,6 +211,12 @@ class ShardGroup(SyncObj):
         if self._recovery.active:
             return _NEVER  # no election of its own while recovering
         return internals.stock_generate_raft_timeout(self)
+
+    # -- PreVote (kvps.raft.prevote) ----------------------------------------------------------
+
+    def _onTick(self, timeToWait: float = 0.0) -> None:  # noqa: N802,N803 (pysyncobj's names)
+        self._prevote.before_tick()  # may hold back the election pysyncobj is about to start
+        super()._onTick(timeToWait)
 
     def _recover_from_damage(self, reason: str) -> None:
         """The journal found damage while ``SyncObj.__init__`` opened it: recover from here on. That
@@ -331,6 +345,7 @@ class ShardGroup(SyncObj):
             "recovering": self._recovery.active,  # lost data replaced: no vote until caught up
             "recovering_reason": self._recovery.reason,
             "votes_withheld": self._recovery.votes_withheld,
+            "pre_votes": dict(self._prevote.counters),  # asked, won, avoided, granted, refused
             # caught up once with a leader's commit index, and a leader is known now
             "ready": bool(self.isReady()) and leader is not None,
         }

@@ -23,13 +23,17 @@ pysyncobj name                     used by                            accessor h
 ``SyncObj._poller``                transport, listener, probe         ``poller``
 ``SyncObj.__raftCurrentTerm``      group, recovery                    ``current_term``
 ``SyncObj.__raftCommitIndex``      recovery                           ``commit_index``
-``SyncObj.__raftElectionDeadline`` failover, membership, group        ``election_deadline``,
-                                                                      ``set_election_deadline``
+``SyncObj.__raftElectionDeadline`` failover, membership, group,       ``election_deadline``,
+                                   prevote                            ``set_election_deadline``
+``SyncObj.__raftLeader``           prevote: forgotten when it asks    ``forget_leader``
+``SyncObj.__transferInProgress``   prevote: timeout_now bypasses it   ``transfer_in_progress``
+``SyncObj.__transport``            prevote: its own messages          ``send``
 ``SyncObj.__getEntries``           recovery                           ``entries``
 ``SyncObj.__raftLog``              replication: the follower rebase   ``raft_log``
 ``SyncObj.__doApplyCommand``       ShardGroup overrides it            ``stock_do_apply_command``
 ``SyncObj.__onMessageReceived``    ShardGroup overrides it            ``stock_on_message_received``
 ``SyncObj.__generateRaftTimeout``  ShardGroup overrides it            ``stock_generate_raft_timeout``
+``SyncObj._onTick``                ShardGroup overrides it (prevote)  ``SYNCOBJ_OVERRIDES``
 ``syncobj._COMMAND_TYPE``          group: our entries' type byte      ``REGULAR_COMMAND``
 ``syncobj._RAFT_STATE``            group: role names                  ``ROLES``
 ``syncobj.createJournal``          journal: ours instead of its own   ``journal_factory``
@@ -78,6 +82,7 @@ __all__ = [
     "current_term",
     "election_deadline",
     "entries",
+    "forget_leader",
     "is_leader",
     "is_member",
     "journal_factory",
@@ -90,6 +95,7 @@ __all__ = [
     "poller",
     "raft_log",
     "self_node",
+    "send",
     "set_election_deadline",
     "set_server",
     "stock_do_apply_command",
@@ -97,16 +103,18 @@ __all__ = [
     "stock_on_message_received",
     "sync_obj",
     "term",
+    "transfer_in_progress",
     "unknown_connections",
 ]
 
 # The names, as they appear on instances (mangled ones with their class prefix).
 SYNCOBJ_ATTRIBUTES = ("_SyncObj__raftCommitIndex", "_SyncObj__raftCurrentTerm",
-                      "_SyncObj__raftElectionDeadline", "_SyncObj__raftLog", "_poller")
+                      "_SyncObj__raftElectionDeadline", "_SyncObj__raftLeader", "_SyncObj__raftLog",
+                      "_SyncObj__transferInProgress", "_SyncObj__transport", "_poller")
 SYNCOBJ_METHODS = ("_SyncObj__getEntries", "_applyCommand", "_getLeader", "_getRaftLogSize",
                    "_getTerm", "_isLeader")
 SYNCOBJ_OVERRIDES = ("_SyncObj__doApplyCommand", "_SyncObj__generateRaftTimeout",
-                     "_SyncObj__onMessageReceived")  # defined on ShardGroup
+                     "_SyncObj__onMessageReceived", "_onTick")  # defined on ShardGroup
 TRANSPORT_ATTRIBUTES = ("_connections", "_nodeAddrToNode", "_nodes", "_ready", "_selfNode",
                         "_server", "_syncObj", "_unknownConnections")
 TRANSPORT_METHODS = ("_connToNode", "_onNewIncomingConnection", "_onOutgoingConnected")
@@ -167,6 +175,22 @@ def election_deadline(group: SyncObj) -> float:
 def set_election_deadline(group: SyncObj, deadline: float) -> None:
     """Tick thread only."""
     group._SyncObj__raftElectionDeadline = deadline
+
+
+def forget_leader(group: SyncObj) -> None:
+    """No leader known any more (as when pysyncobj stands for election). Tick thread only."""
+    group._SyncObj__raftLeader = None
+
+
+def transfer_in_progress(group: SyncObj) -> bool:
+    """Whether a leader's ``timeout_now`` asked this replica to stand now (leadership transfer)."""
+    return group._SyncObj__transferInProgress
+
+
+def send(group: SyncObj, node: Any, message: Any) -> bool:
+    """Send ``message`` to a member over the group's transport; False if not connected. Tick
+    thread only."""
+    return group._SyncObj__transport.send(node, message)
 
 
 def entries(group: SyncObj, from_index: int, count: int) -> list[tuple[Any, int, int]]:

@@ -374,6 +374,7 @@ class Replica:
             # its lost data was replaced: no vote until it has caught up (kvps.raft.recovery)
             "recovering": st["recovering"], "recovering_reason": st["recovering_reason"],
             "votes_withheld": st["votes_withheld"],
+            "pre_votes": st.get("pre_votes"),  # asked, won, avoided, granted (kvps.raft.prevote)
             "in_flight_bytes": self.batcher.accepted_bytes,
             **self.stats.view(),
             "peers": self.stats.peer_lag(self.group) if st["role"] == "leader" else {},

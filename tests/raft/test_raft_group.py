@@ -637,6 +637,12 @@ def test_a_stale_append_from_the_leader_does_not_truncate_a_follower(cluster, ca
     assert c.wait_converged()[-1] == b"after"
 
 
+def withheld(group: ShardGroup) -> int:
+    """Vote requests dropped and pre-votes refused while recovering (nobody else refuses here)."""
+    st = group.status()
+    return st["votes_withheld"] + st["pre_votes"]["refused"]
+
+
 def test_a_replica_that_lost_its_data_withholds_its_vote_until_it_has_caught_up(tmp_path):
     """Entries committed by the leader and a follower that then loses its disk live on the leader
     only. If the emptied follower voted at once, the third, lagging member would win with its vote
@@ -662,8 +668,9 @@ def test_a_replica_that_lost_its_data_withholds_its_vote_until_it_has_caught_up(
         c.start(lagging)
         c.start(emptied)
         assert c.groups[emptied].recovering
-        # The lagging member stands for election again and again; the emptied one never answers.
-        wait_for(lambda: c.groups[emptied].status()["votes_withheld"] >= 3, 30, "three withheld votes")
+        # The lagging member asks for pre-votes again and again (kvps.raft.prevote); the emptied one
+        # refuses them all, so it never stands (a vote request would go unanswered).
+        wait_for(lambda: withheld(c.groups[emptied]) >= 3, 30, "three withheld votes")
         assert "leader" not in c.roles[lagging] and "leader" not in c.roles[emptied]
         assert not any(g.is_leader() for g in c.groups.values())
 
@@ -725,7 +732,7 @@ def test_a_replica_whose_journal_is_damaged_mid_file_recovers_before_it_votes(tm
         assert status["recovering"] and "damaged record" in status["recovering_reason"]
         assert (damaged_dir / recovery.MARKER).exists()
         assert list(damaged_dir.glob("raft.journal.damaged-*"))
-        wait_for(lambda: c.groups[damaged].status()["votes_withheld"] >= 3, 30, "three withheld votes")
+        wait_for(lambda: withheld(c.groups[damaged]) >= 3, 30, "three withheld votes")
         assert not any(g.is_leader() for g in c.groups.values())
 
         c.start(lead)  # from its journal, with the acknowledged entries

@@ -295,6 +295,36 @@ def test_what_recovery_of_lost_state_relies_on():
         assert f"self.{name.replace('_SyncObj', '')} =" in init, name
 
 
+def test_what_prevote_relies_on():
+    """kvps.raft.prevote: ShardGroup._onTick runs before the stock tick looks at the election
+    deadline; the election it holds back is the stock one (term + 1, vote, request_vote); a
+    leader's timeout_now sets __transferInProgress (cleared when the election starts); unknown
+    message types fall through __onMessageReceived; the transport's send takes (node, message)."""
+    tick = src(SyncObj._onTick)
+    assert tick.index("if self.__raftElectionDeadline < monotonicTime()") < tick.index("self._poller.poll(timeToWait)")
+    assert ("self.__setCurrentTerm(self.__raftCurrentTerm + 1, self.__selfNode.id) self.__votesCount = 1 "
+            "for node in self.__otherNodes: self.__transport.send(node, { 'type': 'request_vote',") in tick
+    assert "self.__transferInProgress = False self.__raftLeader = None" in tick
+    receive = src(SyncObj._SyncObj__onMessageReceived)
+    assert ("if message['term'] >= self.__raftCurrentTerm and node == self.__raftLeader: "
+            "self.__raftElectionDeadline = 0 self.__transferInProgress = True") in receive
+    # a follower takes a leader from an append of its term or higher, and then follows it
+    assert "if message['type'] == 'append_entries' and message['term'] >= self.__raftCurrentTerm:" in receive
+    assert "self.__raftLeader = node" in receive
+    assert "'pre_vote'" not in inspect.getsource(pysyncobj.syncobj)  # our message types are free
+    assert "self.__transport = transportClass(self, self.__selfNode, self.__otherNodes)" in src(SyncObj.__init__)
+    assert "return self.__raftLog[-1][1]" in src(SyncObj._SyncObj__getCurrentLogIndex)
+    assert params(ShardGroup._onTick) == params(SyncObj._onTick) == ["self", "timeToWait"]
+
+
+def test_prevote_accessors(syncobj):
+    assert internals.transfer_in_progress(syncobj) is False
+    assert internals.send(syncobj, TCPNode("127.0.0.1:1"), {"type": "pre_vote"}) is False  # no such member
+    syncobj._SyncObj__raftLeader = TCPNode("127.0.0.1:1")
+    internals.forget_leader(syncobj)
+    assert internals.leader(syncobj) is None
+
+
 def test_what_the_install_rename_guard_relies_on():
     """ShardGroup links the snapshot an install replaces before pysyncobj renames over it on the
     tick thread: it recognises the last chunk by ``serialized`` = (data, is_first, is_last)."""
