@@ -30,7 +30,7 @@ from kvps.errors import (
     VersionNotIssued,
 )
 from kvps.initializer import Constant, Normal, Uniform, Zeros
-from kvps.optimizer import SGD, Adagrad, Adam, Add
+from kvps.optimizer import FTRL, SGD, Adagrad, Adam, Add, RowWiseAdagrad
 
 from ._client import Client, ClientStats, RetryPolicy
 from ._clock import StepClock
@@ -46,6 +46,7 @@ __all__ = [
     "CodecError",
     "ConnectError",
     "Constant",
+    "FTRL",
     "Forbidden",
     "HttpTransport",
     "InvalidRequest",
@@ -63,6 +64,7 @@ __all__ = [
     "RequestTooLarge",
     "RetryPolicy",
     "RetryableError",
+    "RowWiseAdagrad",
     "SGD",
     "ShapeMismatch",
     "StepClock",

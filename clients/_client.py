@@ -27,7 +27,7 @@ from kvps.delta import frame
 from kvps.delta.xor import apply_xor
 from kvps.errors import CodecError, InvalidRequest, KvpsError, Unavailable, VersionNotIssued
 from kvps.initializer import Zeros, initializer_to_dict
-from kvps.optimizer import Add, optimizer_to_dict
+from kvps.optimizer import Add, clipped, optimizer_to_dict
 from kvps.placement import DenseLayout, block_shard, layout_for
 
 from . import _table_rows, _transfer
@@ -169,14 +169,14 @@ class Client:
     # ---- keys --------------------------------------------------------------------------------
 
     async def create(self, key: str, value: Any, *, optimizer: Any = None, merge: str = "sum",
-                     block_bytes: int | None = None) -> None:
+                     block_bytes: int | None = None, clip_norm: float | None = None) -> None:
         """Create dense ``key`` with an initial value. Creating it again with the same definition
-        is a no-op (the stored value is kept); a different definition raises ``KeyExists``."""
+        is a no-op (the value is kept); else ``KeyExists``. ``clip_norm``: a per-block bound."""
         arr = np.ascontiguousarray(to_numpy(await to_host(value, name=key), name=key))
         layout = layout_for(arr.shape, arr.dtype.name, block_bytes or self.cluster_map.block_bytes)
         definition = {"key": key, "shape": list(arr.shape), "dtype": arr.dtype.name,
                       "block_rows": layout.block_rows, "merge": merge,
-                      "optimizer": optimizer_to_dict(optimizer or Add())}
+                      "optimizer": optimizer_to_dict(clipped(optimizer or Add(), clip_norm))}
         per_shard = self._split_blocks(key, layout, arr)
         calls = []
         for shard, blocks in per_shard.items():
@@ -188,11 +188,11 @@ class Client:
         self._cache.pop(key, None)
 
     async def create_table(self, key: str, dim: int, *, dtype: str = "float32", optimizer: Any = None,
-                           init: Any = None, merge: str = "sum") -> None:
+                           init: Any = None, merge: str = "sum", clip_norm: float | None = None) -> None:
         """Create an embedding table; rows are created on first push (untouched rows read as
-        ``init``'s value, a pure function of (seed, row id))."""
+        ``init``'s value, a pure function of (seed, row id)). ``clip_norm``: per-row bound."""
         meta = {"key": key, "dim": int(dim), "dtype": np.dtype(dtype).name, "merge": merge,
-                "optimizer": optimizer_to_dict(optimizer or Add()),
+                "optimizer": optimizer_to_dict(clipped(optimizer or Add(), clip_norm)),
                 "init": initializer_to_dict(init or Zeros())}
         await self.sender.fan_out([self.call(s, "create_table", meta) for s in range(self.cluster_map.shards)])
         self._infos.pop(key, None)

@@ -6,6 +6,7 @@ any thread (including inside a program that has its own event loop elsewhere).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine
 from typing import Any
@@ -24,10 +25,14 @@ class SyncClient:
         self._started = False
 
     def _run(self, coro: Coroutine) -> Any:
+        return self._submit(coro).result()
+
+    def _submit(self, coro: Coroutine) -> "concurrent.futures.Future":
+        """Start ``coro`` on the client's loop and return at once (a background pull)."""
         if not self._started:
             coro.close()
             raise RuntimeError("SyncClient is not open: use `with SyncClient(...)` or .open()")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def open(self) -> "SyncClient":
         self._thread.start()

@@ -128,12 +128,24 @@ class Embedding(nn.Module):
 
     async def _hold(self, ids: np.ndarray) -> None:
         new = np.setdiff1d(ids, self._held_ids)
-        if not len(new):
-            return
+        if len(new):
+            self._adopt(new, await self._fetch(new))
+
+    async def _fetch(self, ids: np.ndarray) -> np.ndarray:
+        """(n, dim) rows of sorted unique ``ids`` from the table (created on first use)."""
         if not self._created:
             await self._aclient.create_table(self.key, self.dim, **self._table)
             self._created = True
-        rows = await self._aclient.pull_rows(self.key, new)  # (new, dim)
+        if not len(ids):
+            return np.empty((0, self.dim), self._table["dtype"])
+        return await self._aclient.pull_rows(self.key, ids)  # (n, dim)
+
+    def _adopt(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Hold pulled ``rows`` of sorted unique ``ids`` (rows already held are kept)."""
+        keep = ~np.isin(ids, self._held_ids)
+        new, rows = ids[keep], rows[keep]
+        if not len(new):
+            return
         ids_all = np.concatenate([self._held_ids, new])
         order = np.argsort(ids_all, kind="stable")
         self._held_ids = ids_all[order]

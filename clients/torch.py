@@ -2,7 +2,7 @@
 torch are ``_torch_*``; this one gathers their public names).
 
     import kvps_client as kc
-    from kvps_client.torch import Embedding, KvpsStore, PSModule, SyncPSModule
+    from kvps_client.torch import Embedding, EmbeddingBagCollection, KvpsStore, PSModule, SyncPSModule
 
     async with kc.Client(endpoints) as ps:                   # an asyncio training loop
         pm = PSModule(model, ps, prefix="mlp/", optimizer=kc.SGD(lr=0.1), overlap=True)
@@ -36,10 +36,11 @@ TORCHELASTIC_RUN_ID; ``KvpsStore`` is a ``torch.distributed.Store`` on kvps keys
 from __future__ import annotations
 
 from ._torch_embedding import Embedding
+from ._torch_embedding_bag import EmbeddingBagCollection
 from ._torch_env import TorchrunEnv
 from ._torch_module import PSModule
 from ._torch_optim import PSOptimizer
 from ._torch_store import KvpsStore, StoreTimeout
 from ._torch_sync import SyncPSModule
 
-__all__ = ["Embedding", "KvpsStore", "PSModule", "PSOptimizer", "StoreTimeout", "SyncPSModule", "TorchrunEnv"]
+__all__ = ["Embedding", "EmbeddingBagCollection", "KvpsStore", "PSModule", "PSOptimizer", "StoreTimeout", "SyncPSModule", "TorchrunEnv"]

@@ -27,6 +27,8 @@ SCHEDULABLE: dict[str, tuple[str, ...]] = {
     "add": (),
     "adagrad": ("lr", "lr_decay", "weight_decay", "eps"),
     "adam": ("lr", "betas", "eps", "weight_decay"),
+    "ftrl": ("alpha", "beta", "l1", "l2"),
+    "rowwise_adagrad": ("lr", "eps"),
     "sgd": ("lr", "momentum", "dampening", "weight_decay"),
 }
 _NAMES = frozenset(n for names in SCHEDULABLE.values() for n in names)

@@ -14,6 +14,15 @@ Determinism is the point (every replica must end bit-identical, DESIGN §3):
 - the array work is element-wise numpy ops in a fixed order, in the value's dtype, with the
   coefficient cast to that dtype first (as torch casts its scalar ``alpha``/``value`` arguments).
 
+Every optimizer takes ``clip_norm`` (0: off): the gradient is scaled to at most that L2 norm
+before the update, as ``torch.nn.utils.clip_grad_norm_`` does (coefficient
+``clip_norm / (norm + 1e-6)`` when the norm exceeds it). The norm is per *row* for table rows and
+per *block* for dense keys: a key's blocks may live on different shards and each block steps in
+its own apply, so a per-key norm would need a cross-shard reduction the state machine cannot do.
+Sums of squares are taken in float64 (a float32 square is exact there) column by column, in a
+fixed order, and a block's row sums are added with ``math.fsum`` (correctly rounded): the same
+bits on every replica, whatever SIMD the CPU has.
+
 ``step`` is the 1-based number of this update: an ``int`` for a dense block, or an int64 array of
 shape ``(n,)`` for table rows (each row counts its own steps); the coefficients then broadcast over
 the row dimension, and each row gets exactly the bits a dense block with that step count would.
@@ -21,14 +30,15 @@ the row dimension, and each row gets exactly the bits a dense block with that st
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, Union
 
 import numpy as np
 
 from kvps.errors import InvalidRequest
 
-__all__ = ["Adagrad", "Adam", "Add", "Optimizer", "SGD", "optimizer_from_dict", "optimizer_to_dict"]
+__all__ = ["Adagrad", "Adam", "Add", "FTRL", "Optimizer", "RowWiseAdagrad", "SGD", "clipped",
+           "optimizer_from_dict", "optimizer_to_dict"]
 
 State = dict[str, np.ndarray]
 Step = Union[int, np.ndarray]  # int, or (n,) int64 per-row step counts
@@ -95,10 +105,42 @@ def _first(step: Step, value: np.ndarray) -> Any:
 
 # ---- optimizers ---------------------------------------------------------------------------------
 
+def _rows2d(x: np.ndarray) -> np.ndarray:
+    """``x`` as (rows, cols): the first axis is the row (a 1-d block: one element per row)."""
+    return x.reshape(len(x), -1) if x.ndim else x.reshape(1, 1)
+
+
+def _row_sumsq(x: np.ndarray) -> np.ndarray:
+    """(rows,) float64 sums of squares, column by column in a fixed order."""
+    x2 = _rows2d(x)
+    total = np.zeros(len(x2), dtype=np.float64)
+    for j in range(x2.shape[1]):
+        col = x2[:, j].astype(np.float64)
+        total = total + col * col
+    return total
+
+
+def _clip(grad: np.ndarray, clip_norm: float, per_row: bool) -> np.ndarray:
+    """``grad`` scaled to L2 norm <= clip_norm, per row (tables) or over the whole block."""
+    sumsq = _row_sumsq(grad)
+    if per_row:
+        norm = np.sqrt(sumsq)  # (n,) float64
+        coef = np.where(norm > clip_norm, clip_norm / (norm + 1e-6), 1.0)
+        if not (coef < 1.0).any():
+            return grad
+        return grad * _coef(coef, grad)
+    norm = math.sqrt(math.fsum(sumsq.tolist()))
+    if norm <= clip_norm:
+        return grad
+    return grad * grad.dtype.type(clip_norm / (norm + 1e-6))
+
+
 class Optimizer:
-    """Base: ``name`` (ClassVar), ``state_names()``, ``init_state(value)``, ``step(...)``."""
+    """Base: ``name`` (ClassVar), ``state_names()``, ``init_state(value)``, ``step(...)``.
+    Subclasses write ``_update`` (and have a ``clip_norm`` field); ``step`` clips, then updates."""
 
     name: ClassVar[str]
+    clip_norm: float
 
     def state_names(self) -> tuple[str, ...]:
         return ()
@@ -108,7 +150,16 @@ class Optimizer:
 
     def step(self, value: np.ndarray, grad: np.ndarray, state: State,
              step: Step) -> tuple[np.ndarray, State]:
+        if self.clip_norm:
+            grad = _clip(grad, self.clip_norm, per_row=isinstance(step, np.ndarray))
+        return self._update(value, grad, state, step)
+
+    def _update(self, value: np.ndarray, grad: np.ndarray, state: State,
+                step: Step) -> tuple[np.ndarray, State]:
         raise NotImplementedError
+
+    def _check_clip(self) -> None:
+        _number(self, "clip_norm")
 
 
 @dataclass(frozen=True)
@@ -116,8 +167,12 @@ class Add(Optimizer):
     """value += grad: the raw incremental update (no state)."""
 
     name: ClassVar[str] = "add"
+    clip_norm: float = 0.0  # max L2 norm of a row's / block's gradient; 0: no clipping
 
-    def step(self, value, grad, state, step):
+    def __post_init__(self) -> None:
+        self._check_clip()
+
+    def _update(self, value, grad, state, step):
         return value + grad, {}
 
 
@@ -131,9 +186,10 @@ class SGD(Optimizer):
     dampening: float = 0.0
     nesterov: bool = False
     weight_decay: float = 0.0
+    clip_norm: float = 0.0
 
     def __post_init__(self) -> None:
-        for f in ("lr", "momentum", "dampening", "weight_decay"):
+        for f in ("lr", "momentum", "dampening", "weight_decay", "clip_norm"):
             _number(self, f)
         _flag(self, "nesterov")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
@@ -145,7 +201,7 @@ class SGD(Optimizer):
     def init_state(self, value):
         return {"momentum_buffer": np.zeros_like(value)} if self.momentum else {}
 
-    def step(self, value, grad, state, step):
+    def _update(self, value, grad, state, step):
         g = grad
         if self.weight_decay:
             g = g + _coef(self.weight_decay, value) * value  # torch: grad.add(param, alpha=wd)
@@ -174,9 +230,10 @@ class Adagrad(Optimizer):
     weight_decay: float = 0.0
     initial_accumulator_value: float = 0.0
     eps: float = 1e-10
+    clip_norm: float = 0.0
 
     def __post_init__(self) -> None:
-        for f in ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps"):
+        for f in ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps", "clip_norm"):
             _number(self, f)
 
     def state_names(self):
@@ -185,7 +242,7 @@ class Adagrad(Optimizer):
     def init_state(self, value):
         return {"sum": np.full_like(value, self.initial_accumulator_value)}
 
-    def step(self, value, grad, state, step):
+    def _update(self, value, grad, state, step):
         g = grad
         if self.weight_decay:
             g = g + _coef(self.weight_decay, value) * value
@@ -206,9 +263,10 @@ class Adam(Optimizer):
     eps: float = 1e-8
     weight_decay: float = 0.0
     decoupled: bool = False
+    clip_norm: float = 0.0
 
     def __post_init__(self) -> None:
-        for f in ("lr", "eps", "weight_decay"):
+        for f in ("lr", "eps", "weight_decay", "clip_norm"):
             _number(self, f)
         _flag(self, "decoupled")
         betas = self.betas
@@ -227,7 +285,7 @@ class Adam(Optimizer):
     def init_state(self, value):
         return {"exp_avg": np.zeros_like(value), "exp_avg_sq": np.zeros_like(value)}
 
-    def step(self, value, grad, state, step):
+    def _update(self, value, grad, state, step):
         beta1, beta2 = self.betas
         g = grad
         if self.weight_decay:
@@ -253,14 +311,98 @@ def _lerp(start: np.ndarray, end: np.ndarray, weight: float) -> np.ndarray:
     return end - (end - start) * _coef(1.0 - weight, start)
 
 
-_BY_NAME: dict[str, type[Optimizer]] = {cls.name: cls for cls in (Add, SGD, Adagrad, Adam)}
+@dataclass(frozen=True)
+class RowWiseAdagrad(Optimizer):
+    """Row-wise Adagrad, as FBGEMM's / TorchRec's ``EXACT_ROWWISE_ADAGRAD``: one accumulator per
+    row, grown by the mean over the row of the squared gradient; the row moves by
+    ``-lr * g / (sqrt(acc) + eps)``. (The accumulator is stored broadcast over the row, shaped like
+    the value, as every optimizer state here is: the row store decides its layout.)"""
+
+    name: ClassVar[str] = "rowwise_adagrad"
+    lr: float = 0.01
+    eps: float = 1e-8
+    initial_accumulator: float = 0.0
+    clip_norm: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in ("lr", "eps", "initial_accumulator", "clip_norm"):
+            _number(self, f)
+
+    def state_names(self):
+        return ("sum",)
+
+    def init_state(self, value):
+        return {"sum": np.full_like(value, self.initial_accumulator)}
+
+    def _update(self, value, grad, state, step):
+        g2 = _rows2d(grad)  # (rows, cols)
+        sq = g2[:, 0] * g2[:, 0]  # (rows,) in the value's dtype, columns added in order
+        for j in range(1, g2.shape[1]):
+            sq = sq + g2[:, j] * g2[:, j]
+        mean = sq / value.dtype.type(g2.shape[1])  # (rows,)
+        acc = _rows2d(state["sum"])[:, 0] + mean  # (rows,) one accumulator per row
+        mult = _coef(-self.lr, value) / (np.sqrt(acc) + _coef(self.eps, value))  # (rows,)
+        new_value = value + mult.reshape(mult.shape + (1,) * (value.ndim - 1)) * grad
+        total = np.broadcast_to(acc.reshape(acc.shape + (1,) * (value.ndim - 1)), value.shape)
+        return new_value, {"sum": np.array(total, dtype=value.dtype)}
+
+
+@dataclass(frozen=True)
+class FTRL(Optimizer):
+    """FTRL-Proximal, per coordinate (McMahan et al. 2013, Algorithm 1): state ``z`` and ``n``;
+    ``sigma = (sqrt(n + g^2) - sqrt(n)) / alpha``, ``z += g - sigma * w``, ``n += g^2``, then
+    ``w = 0`` where ``|z| <= l1``, else ``-(z - sign(z) l1) / ((beta + sqrt(n)) / alpha + l2)``.
+    The stored value is that closed form: an initial value only enters through the first
+    ``sigma * w`` term (as in TensorFlow's FTRL)."""
+
+    name: ClassVar[str] = "ftrl"
+    alpha: float = 0.05
+    beta: float = 1.0
+    l1: float = 0.0
+    l2: float = 0.0
+    clip_norm: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in ("alpha", "beta", "l1", "l2", "clip_norm"):
+            _number(self, f)
+        if self.alpha <= 0:
+            raise InvalidRequest("FTRL.alpha must be > 0", field="alpha")
+
+    def state_names(self):
+        return ("z", "n")
+
+    def init_state(self, value):
+        return {"z": np.zeros_like(value), "n": np.zeros_like(value)}
+
+    def _update(self, value, grad, state, step):
+        alpha = _coef(self.alpha, value)
+        n_old = state["n"]
+        n_new = n_old + grad * grad
+        sigma = (np.sqrt(n_new) - np.sqrt(n_old)) / alpha
+        z = state["z"] + grad - sigma * value
+        l1 = _coef(self.l1, value)
+        denom = (_coef(self.beta, value) + np.sqrt(n_new)) / alpha + _coef(self.l2, value)
+        shrunk = -(z - np.sign(z) * l1) / denom
+        new_value = np.where(np.abs(z) <= l1, value.dtype.type(0), shrunk).astype(value.dtype, copy=False)
+        return new_value, {"z": z, "n": n_new}
+
+
+_BY_NAME: dict[str, type[Optimizer]] = {
+    cls.name: cls for cls in (Add, SGD, Adagrad, Adam, RowWiseAdagrad, FTRL)}
+
+
+def clipped(opt: Optimizer, clip_norm: float | None) -> Optimizer:
+    """``opt`` with ``clip_norm`` set (None: ``opt`` unchanged)."""
+    return opt if clip_norm is None else replace(opt, clip_norm=clip_norm)  # type: ignore[type-var]
 
 
 def optimizer_to_dict(opt: Optimizer) -> dict[str, Any]:
-    """``{"name": ..., **params}``, JSON-safe (betas as a list)."""
+    """``{"name": ..., **params}``, JSON-safe (betas as a list; ``clip_norm`` only when set)."""
     out: dict[str, Any] = {"name": opt.name}
     for f in fields(opt):  # type: ignore[arg-type]
         value = getattr(opt, f.name)
+        if f.name == "clip_norm" and not value:
+            continue  # off: left out, so specs and snapshots written before it read the same
         out[f.name] = list(value) if isinstance(value, tuple) else value
     return out
 

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from kvps.bench.sparse import SparseWork
 from kvps.bench.workload import Model
 
 __all__ = ["PLANS", "Plan", "SECTIONS", "SYSTEMS", "with_overrides"]
 
 KiB, MiB = 1 << 10, 1 << 20
-SECTIONS = ("b1", "b2", "b3", "b4", "b5")
+SECTIONS = ("b1", "b2", "b3", "b4", "b5", "b6")
 SYSTEMS = ("kvps", "redis", "rpc", "inmem")
 
 
@@ -39,6 +40,10 @@ class Plan:
     b4_repeats: int = 5
     # B5: seconds per machine limit.
     b5_seconds: float = 2.0
+    # B6: Zipf-distributed embedding rows pulled and pushed by the B1 workers.
+    b6_work: SparseWork = field(default_factory=SparseWork)
+    b6_warmup: float = 2.0
+    b6_seconds: float = 10.0
 
     def estimates(self, sections: tuple[str, ...], systems: tuple[str, ...]) -> dict[str, float]:
         """Phase -> rough seconds on the 2-core machine (for the progress bar only)."""
@@ -49,12 +54,15 @@ class Plan:
                "start kvps": 15 + self.shards, "B1 kvps": b1 + 10,
                "B2 kvps": 2 * len(self.b2_sizes) * (self.b2_seconds + 0.5) + 2,
                "B4 kvps": 4 + 5 * self.b4_repeats * 1.0,
-               "B3 kvps": 5 + 3.5 * self.b3_kills}
+               "B3 kvps": 5 + 3.5 * self.b3_kills,
+               "B6 rpc": self.b6_warmup + self.b6_seconds + 25,
+               "B6 redis": self.b6_warmup + self.b6_seconds + 8,
+               "B6 kvps": self.b6_warmup + self.b6_seconds + 8}
         wanted = {}
         for phase, seconds in est.items():
             section, _, system = phase.partition(" ")
             if section == "start":
-                if system in systems and ({"b1", "b2"} & set(sections) or system == "kvps"):
+                if system in systems and ({"b1", "b2", "b6"} & set(sections) or system == "kvps"):
                     wanted[phase] = seconds
             elif section.lower() in sections and (section == "B5" or system in systems):
                 wanted[phase] = seconds
@@ -64,11 +72,13 @@ class Plan:
 PLANS = {
     "full": Plan("full"),
     "quick": Plan("quick", b1_warmup=2.0, b1_seconds=6.0, b2_sizes=(4 * KiB, 64 * KiB, MiB, 4 * MiB),
-                  b2_seconds=1.5, b3_kills=3, b4_repeats=3, b5_seconds=1.0),
+                  b2_seconds=1.5, b3_kills=3, b4_repeats=3, b5_seconds=1.0, b6_warmup=1.0, b6_seconds=4.0),
     # For tests: seconds, not minutes. Small model, 2 shards, one of everything.
     "tiny": Plan("tiny", workers=2, model=Model(tensors=4, tensor_bytes=256 * KiB), b1_warmup=0.3,
                  b1_seconds=1.0, shards=2, b2_sizes=(64 * KiB,), b2_seconds=0.4, b3_kills=1,
-                 b3_model=Model(tensors=2, tensor_bytes=64 * KiB), b4_repeats=1, b5_seconds=0.2),
+                 b3_model=Model(tensors=2, tensor_bytes=64 * KiB), b4_repeats=1, b5_seconds=0.2,
+                 b6_work=SparseWork(rows=5000, dim=16, lookups=256, batches=4), b6_warmup=0.3,
+                 b6_seconds=1.0),
 }
 
 

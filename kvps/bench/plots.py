@@ -26,6 +26,8 @@ def write_plots(results: dict, out: Path) -> list[str]:
         written.append(_b3(results["b3"], out / "b3_failover.png"))
     if "b4" in results:
         written.append(_b4(results["b4"], out / "b4_pulls.png"))
+    if "b6" in results:
+        written.append(_b6(results["b6"], out / "b6_sparse_rows.png"))
     return []  # nothing skipped
 
 
@@ -94,6 +96,20 @@ def _b4(b4: dict, path: Path) -> Path:
     for ax in (a1, a2):
         ax.tick_params(axis="x", rotation=30, labelsize=8)
     fig.suptitle("B4: pulls, full vs incremental")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _b6(b6: dict, path: Path) -> Path:
+    names = [n for n in ("kvps", "redis", "rpc") if n in b6["systems"]]
+    values = [b6["systems"][n]["rows_per_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    bars = ax.bar([LABELS[n] for n in names], values, color=["#2a7", "#c33", "#36c"][:len(names)])
+    ax.bar_label(bars, fmt="%.0f")
+    ax.set_ylabel("rows/s pulled + pushed (all workers)")
+    ax.set_title(f"B6: Zipf(s={b6['workload']['zipf_s']}) embedding rows, dim {b6['workload']['dim']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -97,7 +97,25 @@ def render_markdown(r: dict) -> str:
         out += _b4_md(r["b4"])
     if "b5" in r:
         out += _b5_md(r["b5"])
+    if "b6" in r:
+        out += _b6_md(r["b6"])
     return "\n".join(out) + "\n"
+
+
+def _b6_md(b6: dict) -> list[str]:
+    w = b6["workload"]
+    rows = ["## B6 — sparse rows, Zipf ids (recommendation lookups)", "",
+            (f"{w['workers']} workers; each step draws {w['lookups']} ids from Zipf(s={w['zipf_s']}) over "
+             f"{w['rows']:,} rows of {w['dim']} float32, deduplicated (mean {w['rows_per_step']:.0f} rows), "
+             "pulls them and pushes one gradient row each. kvps: `pull_rows` + `push_rows` (SGD on the "
+             "leaders, 3 replicas); Redis: hash fields, `HMGET` then pipelined `HSET` + `WAIT 2`; "
+             "RPC: one unreplicated server, `index_add_` under a lock."), "",
+            "| system | rows/s | steps/s | step p50 ms | kvps / system |", "|---|---:|---:|---:|---:|"]
+    for name, sys_ in b6["systems"].items():
+        ratio = "–" if name == "kvps" else _f(b6.get(f"ratio_vs_{name}"))
+        rows.append(f"| {name} | {sys_['rows_per_s']:,.0f} | {_f(sys_['steps_per_s'])} | "
+                    f"{_f(sys_['step_ms_p50'], 1)} | {ratio} |")
+    return rows + [""]
 
 
 def _targets_md(r: dict) -> list[str]:

@@ -1,8 +1,9 @@
 """Runs the sections of one ``kvps bench`` and collects every figure into one results dict.
 
 Order: the machine's limits first (B5, on a machine as quiet as it will get), then B1's
-in-process baseline and RPC peer, then Redis (B1, B2) with no kvps process running, then one kvps
-cluster for B1, B2, B4 and last B3 (it kills leaders). Each peer runs alone, so none pays for
+in-process baseline and the RPC peer (B1, B6), then Redis (B1, B2, B6) with no kvps process
+running, then one kvps cluster for B1, B2, B4, B6 and last B3 (it kills leaders). Each peer runs
+alone, so none pays for
 another's idle processes; ``load_avg`` is recorded with every measurement because the machine is
 shared and drift between measurements is the main source of error.
 """
@@ -42,6 +43,7 @@ def run_suite(plan: Plan, sections: tuple[str, ...], systems: tuple[str, ...],
     }
     b1: dict[str, Any] = {}
     b2: dict[str, Any] = {}
+    b6: dict[str, Any] = {}
     if "b5" in sections:
         with progress.phase("B5 limits"):
             results["b5"] = {"loopback_bytes_per_s": limits.loopback_bytes_per_s(plan.b5_seconds),
@@ -55,14 +57,22 @@ def run_suite(plan: Plan, sections: tuple[str, ...], systems: tuple[str, ...],
     if "b1" in sections and "rpc" in systems:
         with progress.phase("B1 rpc"):
             b1["rpc"] = _b1_rpc(plan)
-    if "redis" in systems and {"b1", "b2"} & set(sections):
-        _redis(plan, sections, progress, b1, b2)
-    if "kvps" in systems and {"b1", "b2", "b3", "b4"} & set(sections):
-        _kvps(plan, sections, progress, b1, b2, results)
+    if "b6" in sections and "rpc" in systems:
+        with progress.phase("B6 rpc"):
+            b6["rpc"] = _b6_rpc(plan)
+    if "redis" in systems and {"b1", "b2", "b6"} & set(sections):
+        _redis(plan, sections, progress, b1, b2, b6)
+    if "kvps" in systems and {"b1", "b2", "b3", "b4", "b6"} & set(sections):
+        _kvps(plan, sections, progress, b1, b2, b6, results)
     if b1:
         results["b1"] = {"systems": b1, **_ratios(b1, "steps_per_s")}
     if b2:
         results["b2"] = _b2_table(b2)
+    if b6:
+        w = plan.b6_work
+        results["b6"] = {"systems": b6, **_ratios(b6, "rows_per_s"),
+                         "workload": {"rows": w.rows, "dim": w.dim, "lookups": w.lookups, "zipf_s": w.zipf_s,
+                                      "workers": plan.workers, "rows_per_step": w.mean_rows(plan.workers)}}
     results["meta"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return results
 
@@ -87,7 +97,32 @@ def _b1_rpc(plan: Plan) -> dict:
             server.join()
 
 
-def _redis(plan: Plan, sections, progress: Progress, b1: dict, b2: dict) -> None:
+def _b6_rpc(plan: Plan) -> dict:
+    from kvps.bench.sparse import rpc_sparse_worker, start_rpc_table
+    from kvps.node.local import free_port_base
+
+    port = free_port_base(1)
+    server = start_rpc_table(port, plan.workers, plan.b6_work)
+    try:
+        reports = run_workers(rpc_sparse_worker, (port, plan.workers, plan.b6_work), plan.workers,
+                              warmup=plan.b6_warmup, seconds=plan.b6_seconds,
+                              server_cpu=lambda: process_cpu_seconds(lambda pid, _pp, _s: pid == server.pid))
+        return _b6_figures(plan, reports)
+    finally:
+        server.join(timeout=30)
+        if server.is_alive():
+            server.kill()
+            server.join()
+
+
+def _b6_figures(plan: Plan, reports: list) -> dict:
+    """Steps/s, and rows/s: the mean deduplicated rows per step times steps/s."""
+    rows = plan.b6_work.mean_rows(plan.workers)
+    figures = summarize(reports, int(rows * plan.b6_work.dim * 4 * 2))
+    return {**figures, "rows_per_s": figures["steps_per_s"] * rows, "load_avg": _load()}
+
+
+def _redis(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dict) -> None:
     from kvps.bench.redis_peer import RedisGroup, redis_worker
 
     with tempfile.TemporaryDirectory(prefix="kvps-bench-redis-") as tmp, RedisGroup(Path(tmp)) as group:
@@ -113,9 +148,19 @@ def _redis(plan: Plan, sections, progress: Progress, b1: dict, b2: dict) -> None
                         b2["redis"][(size, batched)] = {
                             **raw.redis_raw(group.primary_port, group.replicas, size, batched,
                                             plan.b2_seconds, "r"), "load_avg": _load()}
+        if "b6" in sections:
+            from kvps.bench.sparse import load_redis_rows, redis_sparse_worker
+            with progress.phase("B6 redis"):
+                load_redis_rows(group.primary_port, group.replicas, plan.b6_work, plan.workers)
+                reports = run_workers(redis_sparse_worker, (group.primary_port, group.replicas, plan.b6_work),
+                                      plan.workers, warmup=plan.b6_warmup, seconds=plan.b6_seconds,
+                                      server_cpu=cpu)
+                b6["redis"] = {**_b6_figures(plan, reports),
+                               "wait_short": sum(r.counters.get("wait_short", 0) for r in reports),
+                               "semantics": "last-writer-wins per row"}
 
 
-def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, results: dict) -> None:
+def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dict, results: dict) -> None:
     from kvps.bench.failover import failover
     from kvps.bench.pulls import pulls
     from kvps.bench.workload import create_model, kvps_worker
@@ -154,7 +199,16 @@ def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, results:
             with progress.phase("B4 kvps"):
                 results["b4"] = {**pulls(cluster.endpoints, cluster.token, plan.model, plan.b4_repeats),
                                  "load_avg": _load()}
-        if "b3" in sections:
+        if "b6" in sections:
+            from kvps.bench.sparse import create_table, kvps_sparse_worker
+            with progress.phase("B6 kvps"):
+                create_table(cluster.endpoints, cluster.token, plan.b6_work)
+                reports = run_workers(kvps_sparse_worker, (cluster.endpoints, cluster.token, plan.b6_work),
+                                      plan.workers, warmup=plan.b6_warmup, seconds=plan.b6_seconds,
+                                      server_cpu=cpu)
+                b6["kvps"] = {**_b6_figures(plan, reports),
+                              "semantics": "every row push applied exactly once"}
+        if "b3" in sections:  # last: it kills leaders
             with progress.phase("B3 kvps"):
                 results["b3"] = {**failover(cluster, plan.b3_model, plan.b3_kills, progress.detail),
                                  "load_avg": _load(),

@@ -7,7 +7,7 @@ included; each subcommand's body lives with what it runs (``kvps.node.main``,
     kvps up [--nodes 3] [--shards 8] [--replicas 3] [--port 7100] [--data-dir DIR]
     kvps node --config cluster.toml --id ID
     kvps status [--endpoint URL] [--json]
-    kvps demo [--out DIR] [--seed N] [--quick] [--staleness S|none]
+    kvps demo [--task digits|ctr] [--out DIR] [--seed N] [--quick] [--staleness S|none]
     kvps chaos ...   (kvps_chaos.cli)
     kvps bench ...   (kvps.bench.cli)
 """
@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("args", nargs=argparse.REMAINDER)
 
     demo = sub.add_parser("demo", help="train on a local cluster while leaders are killed")
+    demo.add_argument("--task", choices=("digits", "ctr"), default="digits",
+                      help="digits: an MLP on scikit-learn's digits; ctr: a click-through model with "
+                           "embedding tables on synthetic clicks")
     demo.add_argument("--out", default="demo-out")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--quick", action="store_true", help="3 epochs on 2 shards (a smoke test)")
@@ -221,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvps.bench.cli import main as bench_main
             return bench_main(args.args)
         elif args.command == "demo":
-            from kvps.demo.run import main as demo_main
+            if args.task == "ctr":
+                from kvps.demo.ctr_run import main as demo_main
+            else:
+                from kvps.demo.run import main as demo_main
             return demo_main(out=Path(args.out), seed=args.seed, quick=args.quick,
                              staleness=args.staleness)
     except KvpsError as exc:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -110,15 +111,17 @@ class Workers:
     cluster elects its leaders, and begin training on ``go()``. Leaving the ``with`` block ends
     any that are still running."""
 
-    def __init__(self, cluster: LocalCluster, cfg: TrainConfig, data: Data) -> None:
+    def __init__(self, cluster: LocalCluster, cfg: Any, data: Data | None, *,
+                 target: Callable = train_worker, arrays: dict[str, np.ndarray] | None = None) -> None:
         # Arguments travel through a pipe the parent blocks on until a child has imported torch,
-        # so the data goes through a file: the children then start in parallel.
-        train_npz = cluster.data_dir / "digits-train.npz"
-        np.savez(train_npz, X=data[0], y=data[1])
+        # so the data goes through a file: the children then start in parallel. ``target`` and
+        # ``arrays`` (saved as the npz it loads) let another task reuse this (``--task ctr``).
+        train_npz = cluster.data_dir / "train.npz"
+        np.savez(train_npz, **(arrays if arrays is not None else {"X": data[0], "y": data[1]}))
         ctx = mp.get_context("spawn")
         self.out = ctx.Queue()
         self._go = ctx.Event()
-        self.procs = [ctx.Process(target=train_worker, daemon=True,
+        self.procs = [ctx.Process(target=target, daemon=True,
                                   args=(r, cfg, str(train_npz), cluster.endpoints, cluster.token, self.out,
                                         self._go))
                       for r in range(cfg.workers)]
@@ -198,7 +201,8 @@ def _final_state(cluster: LocalCluster, cfg: TrainConfig, data: Data) -> tuple[i
     return int(counter[0]), versions, accuracy(model, Xte, yte)
 
 
-def _plot(path: Path, run: Run, base_losses: list[float], window: int) -> None:
+def _plot(path: Path, run: Run, base_losses: list[float], window: int,
+          title: str = "kvps demo: MLP on digits while every shard's leader is killed") -> None:
     """Loss against updates (with the baseline), and steps per second against time; kills marked."""
     import matplotlib
     matplotlib.use("Agg")
@@ -221,7 +225,7 @@ def _plot(path: Path, run: Run, base_losses: list[float], window: int) -> None:
             axis.text(x, 1, f" shard {kill.shard}: leader killed", transform=axis.get_xaxis_transform(),
                       color="C3", va="top", rotation=90, fontsize=8)
     ax.set(xlabel="updates applied (steps of all workers)", ylabel=f"training loss (mean of {window})",
-           yscale="log", title="kvps demo: MLP on digits while every shard's leader is killed")
+           yscale="log", title=title)
     ax.legend(loc="lower left")
     rate.set(xlabel="seconds since the first step", ylabel="steps / s")
     fig.tight_layout()

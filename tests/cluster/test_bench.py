@@ -70,7 +70,9 @@ def test_tiny_bench_runs_every_section(tmp_path, capsys):
     assert cases["unchanged"]["bytes"] < cases["dense"]["bytes"] <= cases["full"]["bytes"] * 1.01
     assert results["b5"]["memcpy_bytes_per_s"] > 0 and results["b5"]["loopback_bytes_per_s"] > 0
     assert {t["name"] for t in results["targets"]} >= {"b1_vs_redis", "b3_p50"}
-    for section in ("## B1", "## B2", "## B3", "## B4", "## B5", "## Targets"):
+    b6 = results["b6"]["systems"]
+    assert b6["kvps"]["rows_per_s"] > 0 and results["b6"]["workload"]["rows_per_step"] > 1
+    for section in ("## B1", "## B2", "## B3", "## B4", "## B5", "## B6", "## Targets"):
         assert section in md
 
     reason = redis_missing_reason(install=False)
@@ -79,8 +81,9 @@ def test_tiny_bench_runs_every_section(tmp_path, capsys):
         row = results["b2"]["batched"][str(64 << 10)]
         assert row["redis"]["bytes_per_s"] > 0 and row["kvps"]["bytes_per_s"] > 0
         assert math.isfinite(row["ratio_vs_redis"])
+        assert b6["redis"]["rows_per_s"] > 0 and math.isfinite(results["b6"]["ratio_vs_redis"])
     else:
-        assert "redis" in results["skipped"] and "redis" not in b1
+        assert "redis" in results["skipped"] and "redis" not in b1 and "redis" not in b6
         assert "redis" in md  # the skip is stated in the report
 
 

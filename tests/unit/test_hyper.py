@@ -53,7 +53,7 @@ def test_retune_refuses_foreign_fields_bad_ranges_and_state_changes():
     for definition, values, message in cases:
         with pytest.raises(InvalidRequest, match=message):
             retuned(definition, {}, values)
-    assert set(SCHEDULABLE) == {"add", "adagrad", "adam", "sgd"}
+    assert set(SCHEDULABLE) == {"add", "adagrad", "adam", "ftrl", "rowwise_adagrad", "sgd"}
 
 
 def test_command_round_trip_and_structural_checks():
