@@ -69,6 +69,10 @@ class RaftConfig:
     # an append is acknowledged). Default chosen by benchmarks/fsync_policy.py, see README.
     fsync: str = "interval"
     fsync_interval: float = 0.05
+    # Size of each journal segment file: preallocated once and recycled after compactions, so
+    # appends never grow a file or touch fresh memory (kvps/raft/segments.py). A command larger
+    # than a segment gets a segment of its own.
+    journal_segment_bytes: int = 64 * MiB
 
     def validate(self) -> "RaftConfig":
         _positive(self, "election_timeout_min", "heartbeat_period", "leader_fallback_timeout",
@@ -99,6 +103,9 @@ class RaftConfig:
         if self.max_frame_bytes < 2 * self.max_command_bytes + MiB:
             raise ConfigError("max_frame_bytes must be >= 2 * max_command_bytes + 1 MiB (an append "
                               "message may carry up to two batches)", field="max_frame_bytes")
+        if self.journal_segment_bytes < MiB // 16:
+            raise ConfigError("journal_segment_bytes must be at least 64 KiB",
+                              field="journal_segment_bytes")
         if self.socket_buffer_bytes < 0:
             raise ConfigError("socket_buffer_bytes must be >= 0", field="socket_buffer_bytes")
         return self

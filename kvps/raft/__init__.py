@@ -13,8 +13,12 @@ Log compaction and durability:
 * ``snapshot_file`` -- our log-compaction snapshot format.
 * ``journal`` -- our Raft journal (checksummed, crash-safe, explicit fsync policy), installed in
   place of pysyncobj's ``FileJournal``.
-* ``journal_file`` -- the journal file's layout, and reading it back at open (torn tail, damage).
-* ``journal_rewrite`` -- the journal's compaction rewrite, on its own thread.
+* ``segments`` -- the journal's preallocated, recycled segment files: layout (records summed
+  with the segment's epoch), reading the log back at open (torn tail, damage).
+* ``segment_pool`` -- segments in use and in reserve: retiring, freeing and preparing them on
+  a worker thread.
+* ``journal_file`` -- the single-file journal of earlier kvps versions, read once to move it
+  into segments.
 * ``meta_file`` -- term, vote and commit index, in two slots overwritten in place.
 * ``disk`` -- positional writes, in-kernel copies and fsyncs (journal, meta file, recovery marker).
 

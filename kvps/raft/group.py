@@ -172,6 +172,7 @@ class ShardGroup(SyncObj):
         self._transport_stats = transport.stats
         with using_journal(journal_dir / "raft.journal", fsync=raft.fsync,  # ours, not FileJournal
                            fsync_interval=raft.fsync_interval, first_index=first_index,
+                           segment_bytes=raft.journal_segment_bytes,
                            on_damage=self._recover_from_damage):  # before the tick thread starts
             super().__init__(self_address, [p for p in peers if p != self_address], conf,
                              transportClass=transport)

@@ -1,5 +1,5 @@
-"""Our Raft journal (pysyncobj's ``journalFile``): checksummed records, crash-safe rewrites and an
-explicit fsync policy, installed in place of pysyncobj's ``FileJournal``.
+"""Our Raft journal (pysyncobj's ``journalFile``): checksummed records in preallocated, recycled
+segments and an explicit fsync policy, installed in place of pysyncobj's ``FileJournal``.
 
 Why not ``FileJournal`` (pysyncobj 0.3.17): it is an mmap that is never fsynced while running; its
 ``.meta`` (term, vote, commit index) is written and renamed without fsync; ``deleteEntriesTo``
@@ -10,22 +10,32 @@ slice), which shows at ~140 MB/s of 1 MiB commands.
 
 Files, next to each other in the replica's journal directory::
 
-    raft.journal        header, then one record per log entry, appended with pwritev
-    raft.journal.meta   current term, vote, commit index: two slots overwritten in place, in turn
-                        (``kvps.raft.meta_file``, which describes its layout)
-    *.tmp               only while the journal is rewritten (or an older meta file converted);
-                        a stale one is removed at open
+    raft.journal.seg-NNNNNN  fixed-size segments, one record per log entry appended with pwritev
+                             (``kvps.raft.segments``, which describes their layout)
+    raft.journal.meta        current term, vote, commit index: two slots overwritten in place, in
+                             turn (``kvps.raft.meta_file``, which describes its layout)
+    raft.journal             only a journal of an earlier kvps (one file): moved into segments
+                             at open, then removed
 
-Opening the file (``kvps.raft.journal_file``) truncates a torn tail, and reports damage in the
+Nothing on the tick thread grows, truncates, renames or unlinks a file: appends fill segments
+preallocated once (DESIGN §11: fresh memory is the cost); ``deleteEntriesFrom`` writes an end
+marker where the log now ends and frees the segments after it (their headers say so); ``clear``
+marks every segment free; ``deleteEntriesTo`` retires whole segments, which a worker thread frees
+for reuse (``kvps.raft.segment_pool``). A record is summed with its segment's epoch, bumped on
+every reuse, so an earlier use's records never come back.
+
+Opening (``kvps.raft.segments.load``) ends the log at a torn tail, and reports damage in the
 middle through ``on_damage`` (``ShardGroup`` then marks the replica *recovering*: no vote until it
 has caught up, ``kvps.raft.recovery``) before it drops anything. A wrong magic or version, or a
 meta file that fails its checks, is a ``CodecError``: the vote and term cannot be guessed safely.
+Records below ``first_index`` (the snapshot's previous entry) are dropped: a segment is retired
+only once the snapshot covers all of it, so the first one usually holds older records.
 
 The fsync policy (``RaftConfig.fsync``, README "Durability") says when appends reach stable
 storage. Every policy survives ``kill -9`` of any process, because the page cache holds what was
 written; they differ on power loss or a kernel crash:
 
-* ``never``    no fsync at all, also not for the meta file or a compaction rewrite;
+* ``never``    no fsync at all, also not for the meta file or a new segment;
 * ``interval`` a background thread fdatasyncs the journal and the meta file every
   ``fsync_interval`` seconds when something changed (term and vote included);
 * ``always``   fdatasync after every change, before pysyncobj continues: a follower answers
@@ -38,8 +48,9 @@ background thread's, as for appends: a synchronous one on the tick thread waited
 the device's queued writeback after heavy writes, just as a candidate stood for election (the
 cost: a replica that loses power within ``fsync_interval`` of voting may vote again in that term
 if the election is still open when it is back, the same window in which ``interval`` may lose
-acknowledged appends). Compaction rewrites are fsynced by the thread that does them
-(``kvps.raft.journal_rewrite``). The commit index is written at most once a second, by a
+acknowledged appends). A segment retired by a compaction is reused only after the worker
+fsynced the directory (the snapshot's rename is durable before the entries it covers can be
+overwritten). The commit index is written at most once a second, by a
 background thread under those two policies, by pysyncobj's ``onOneSecondTimer`` under ``never``.
 Since it may be ahead of what survived in the journal, it is clamped to the journal's last index
 when read back (an unclamped one lets a restarted node apply entries nobody committed).
@@ -60,7 +71,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
@@ -69,14 +80,16 @@ from typing import Any
 from pysyncobj.journal import Journal
 
 from kvps.config import FSYNC_POLICIES
-from kvps.raft import disk, internals, journal_file
-from kvps.raft.journal_file import CHECKED, CRC, HEADER, MAGIC, RECORD, VERSION, Entry, record_sum
-from kvps.raft.journal_rewrite import NOT_TRUNCATED, JournalRewrite
+from kvps.raft import disk, internals, journal_file, segments
+from kvps.raft.journal_file import CHECKED, CRC, MAGIC, RECORD, VERSION, Entry
+from kvps.raft.segment_pool import SegmentPool
+from kvps.raft.segments import DATA, SEG_MAGIC, Segment
 from kvps.raft.meta_file import META_MAGIC, MetaFile
 from kvps.raft.threads import name_native_thread
 
-# MAGIC, META_MAGIC and VERSION are the formats' own (journal_file, meta_file), named here too.
-__all__ = ["MAGIC", "META_MAGIC", "RaftJournal", "VERSION", "using_journal"]
+# MAGIC, META_MAGIC, SEG_MAGIC and VERSION are the formats' own (journal_file, meta_file,
+# segments), named here too.
+__all__ = ["MAGIC", "META_MAGIC", "RaftJournal", "SEG_MAGIC", "VERSION", "using_journal"]
 
 logger = logging.getLogger("kvps.raft")
 
@@ -92,47 +105,37 @@ def _exit_on_io_error(exc: OSError, what: str) -> None:
     os._exit(_EX_IOERR)
 
 
-class RaftJournal(JournalRewrite, Journal):
-    """pysyncobj's ``Journal`` interface over our own file format (see the module docstring).
+class RaftJournal(SegmentPool, Journal):
+    """pysyncobj's ``Journal`` interface over recycled segments (see the module docstring).
 
     pysyncobj calls every method on its tick thread, and none of them waits for the disk except
     as the policy says (term and vote under ``interval`` and ``always``; under ``always`` every
-    change, and a rewrite's last fsyncs, made under ``_lock``). Other threads: under
-    ``interval`` and ``always`` one background thread fdatasyncs the journal (``interval`` only,
-    through a duplicate of the descriptor taken under ``_lock``) and writes the commit index
-    (``_meta_lock``); under every policy a rewriter thread, while one is needed, rewrites the file
-    after ``deleteEntriesTo`` (``kvps.raft.journal_rewrite``).
-
-    Positions: ``_offsets``, ``_end`` and ``_cut`` are byte positions in the log as if no record
-    had ever been removed from the front of the file; the journal file (``_fd``) holds positions
-    ``[_shift + header size, _end)`` at file offsets ``[header size, _end - _shift)``. Dropping
-    the front of the file changes ``_shift``, not every offset. ``_lock`` guards ``_fd``,
-    ``_shift``, ``_end`` and the rewrite's state (``_cut``, ``_epoch``, ``_truncated``,
-    ``_rewriter``); every write to the file happens under it."""
+    change). Other threads: under ``interval`` and ``always`` one background thread fdatasyncs
+    the segments written since the last round (``interval`` only, through duplicates of their
+    descriptors taken under ``_lock``) and writes the commit index (``_meta_lock``); under every
+    policy the segment worker (``kvps.raft.segment_pool``) frees retired segments and prepares
+    the next one. ``_lock`` guards the segment lists and every segment's position; every write to
+    a segment happens under it."""
 
     def __init__(self, path: str | Path, *, fsync: str = "interval", fsync_interval: float = 0.05,
-                 first_index: int = 0,
+                 first_index: int = 0, segment_bytes: int = 64 << 20,
                  on_io_error: Callable[[OSError, str], None] = _exit_on_io_error,
                  on_damage: Callable[[str], None] | None = None) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {FSYNC_POLICIES}, not {fsync!r}")
+        if segment_bytes < 2 * DATA:
+            raise ValueError(f"segment_bytes must be at least {2 * DATA}, not {segment_bytes}")
         self._path = Path(path)
         self._meta_path = Path(f"{path}.meta")
         self._policy = fsync
+        self._segment_bytes = segment_bytes
         self._on_io_error = on_io_error
-        self._entries: list[Entry] = []  # pysyncobj indexes and slices this through __getitem__
-        self._offsets: list[int] = []  # position of each entry's record
-        self._end = HEADER.size  # position after the last record
-        self._shift = 0  # position - _shift = offset in the journal file
-        self._cut = HEADER.size  # position the file should start at (its first record still kept)
-        self._epoch = 0  # bumped by clear(): a rewrite copying the records it removed is void
-        self._truncated = NOT_TRUNCATED  # lowest position truncated to since the rewriter's copy
-        self._rewriter: threading.Thread | None = None  # running while _cut is ahead of the file
         self._lock = threading.Lock()
         self._changes = 0  # journal changes made ...
         self._synced = 0  # ... and how many of them an fdatasync has covered
-        self._fd = -1
-        self._version = VERSION  # of the file, once opened (an existing one keeps its own)
+        self._dirty: set[Segment] = set()
+        self._stopping = False
+        self._closed = False
         for stale in (Path(f"{self._path}.tmp"), Path(f"{self._meta_path}.tmp")):
             if stale.exists():
                 logger.warning("raft journal: removing %s left by an interrupted rewrite", stale)
@@ -144,73 +147,116 @@ class RaftJournal(JournalRewrite, Journal):
             self._meta.term, self._meta.voted_for, self._meta.commit_index
         self._meta_dirty = False
         self._meta_lock = threading.Lock()
-        self._fd, records = journal_file.open_file(self._path, version=self._version,
-                                                   durable=fsync != "never",
-                                                   first_index=first_index, on_damage=on_damage)
-        self._version, self._entries, self._end = records.version, records.entries, records.end
-        self._offsets = records.offsets
-        self._cut = self._offsets[0] if self._offsets else self._end
+        legacy = self._path.exists()  # a single-file journal of an earlier kvps: moved over below
+        loaded = segments.load(self._path, durable=fsync != "never",
+                               first_index=0 if legacy else first_index, on_damage=on_damage)
+        self._entries: list[Entry] = loaded.entries  # pysyncobj indexes and slices this
+        self._locs: list[tuple[Segment, int]] = loaded.locs  # (segment, offset) of each record
+        self._live: list[Segment] = loaded.live
+        self._active: Segment | None = None  # every open appends to a fresh segment
+        self._start_pool(loaded.free, loaded.epoch, loaded.number)
+        if legacy:
+            self._move_legacy(first_index, on_damage)
         self._stop = threading.Event()
         if fsync != "never":
             period = fsync_interval if fsync == "interval" else _META_PERIOD
             threading.Thread(target=_background, args=(weakref.ref(self), self._stop, period),
                              name=f"kvps-journal-sync {self._path.parent.name}", daemon=True).start()
-        if self._cut != HEADER.size:  # records the snapshot covers were dropped at open
-            with self._lock:
-                rewriter = self._start_rewriter()
-            rewriter.start()
+
+    def _move_legacy(self, first_index: int, on_damage: Callable[[str], None] | None) -> None:
+        """Copy the records of an earlier kvps's single-file journal (``kvps.raft.journal_file``,
+        read with its own checks) into segments, make them durable, then remove that file.
+        Segments found beside it are from a move cut short: freed first."""
+        logger.warning("raft journal %s: moving a single-file journal into segments", self._path)
+        with self._lock:
+            self._mark_free_now(self._live)
+            self._free += self._live
+            self._live, self._entries, self._locs = [], [], []
+        fd, records = journal_file.open_file(self._path, version=VERSION,
+                                             durable=self._policy != "never",
+                                             first_index=first_index, on_damage=on_damage)
+        os.close(fd)
+        for entry in records.entries:
+            self.add(*entry)
+        self._sync(force=True)
+        self._path.unlink()
+        disk.fsync_dir(self._path.parent)
 
     # -- the log --------------------------------------------------------------------------------
 
     def add(self, command: Any, idx: int, term: int) -> None:
         checked = CHECKED.pack(len(command), idx, term)
-        crc = record_sum(self._version, checked, command)
         with self._lock:
-            self._write([CRC.pack(crc) + checked, command], self._end - self._shift, "append")
+            seg = self._active
+            if seg is None or not seg.fits(len(command)):
+                seg = self._take(len(command))
+            crc = segments.record_sum(seg.epoch, checked, command)
+            self._write(seg, [CRC.pack(crc) + checked, command], seg.tail, "append")
             self._entries.append((command, idx, term))
-            self._offsets.append(self._end)
-            self._end += RECORD.size + len(command)
+            self._locs.append((seg, seg.tail))
+            seg.tail += RECORD.size + len(command)
+            seg.first = seg.first or idx
+            seg.last = idx
+            self._dirty.add(seg)
             self._changes += 1
+            if seg.tail * 2 > seg.size and not self._free:
+                self._wake.set()  # the worker prepares the next segment
         self._changed()
 
     def clear(self) -> None:
-        """Drop every entry (pysyncobj: a snapshot installed from the leader replaces the log)."""
+        """Drop every entry (pysyncobj: a snapshot installed from the leader replaces the log):
+        every segment holding entries is marked free now (no entry may come back at open) and
+        retired, so none is overwritten before the directory is fsynced."""
         with self._lock:
-            self._truncate(HEADER.size)
-            self._shift = self._end - HEADER.size
-            self._cut = self._end
-            self._epoch += 1  # a rewrite in flight copies records that are gone: it gives up
-            self._entries = []
-            self._offsets = []
+            self._mark_free_now([*self._retired, *self._live])
+            self._retire(self._live)
+            self._live, self._active = [], None
+            self._entries, self._locs = [], []
             self._changes += 1
         self._changed()
 
     def deleteEntriesFrom(self, entryFrom: int) -> None:
-        """Drop entries ``[entryFrom:]`` (a follower's conflicting suffix): truncate the file."""
+        """Drop entries ``[entryFrom:]`` (a follower's conflicting suffix): the segments after
+        the one holding that entry are marked free, then an end marker goes where its record
+        was; the next append takes a fresh segment. Nothing is truncated."""
         if entryFrom >= len(self._entries):
             return
         with self._lock:
-            at = self._offsets[entryFrom]
-            self._truncate(at - self._shift)
-            self._end = at
-            self._truncated = min(self._truncated, at)  # the rewriter copies from here again
+            seg, offset = self._locs[entryFrom]
+            k = self._live.index(seg)
+            dropped = self._live[k + 1:]
+            if offset == DATA:  # no entry left in it either
+                dropped.append(seg)
+            self._mark_free_now(dropped)  # first: a crash before the marker keeps the old suffix
+            if offset != DATA:
+                self._write(seg, [segments.marker(seg.epoch)], offset, "truncating the journal")
+                self._dirty.add(seg)
+                seg.tail = offset
+                seg.last = self._entries[entryFrom - 1][1]
+            self._free += dropped  # holding uncommitted entries only: reusable at once
+            self._live = self._live[:k] + ([] if offset == DATA else [seg])
+            self._active = None
             del self._entries[entryFrom:]
-            del self._offsets[entryFrom:]
+            del self._locs[entryFrom:]
             self._changes += 1
         self._changed()
 
     def deleteEntriesTo(self, entryTo: int) -> None:
-        """Drop entries ``[:entryTo]`` (after log compaction): trims memory and moves ``_cut`` on
-        the tick thread; the rewriter thread rewrites the file (``kvps.raft.journal_rewrite``)."""
+        """Drop entries ``[:entryTo]`` (after log compaction): the segments holding only those
+        are retired (no I/O here: ``kvps.raft.segment_pool``)."""
         if entryTo <= 0:
             return
         with self._lock:
             del self._entries[:entryTo]
-            del self._offsets[:entryTo]
-            self._cut = self._offsets[0] if self._offsets else self._end
-            rewriter = self._start_rewriter() if self._rewriter is None else None
-        if rewriter is not None:
-            rewriter.start()
+            del self._locs[:entryTo]
+            if not self._entries:
+                retired, self._live, self._active = self._live, [], None
+            else:
+                first = self._entries[0][1]
+                retired = [seg for seg in self._live if seg.last < first]
+                self._live = self._live[len(retired):]
+                self._live[0].first = first
+            self._retire(retired)
 
     def __getitem__(self, item: int | slice) -> Any:
         return self._entries[item]
@@ -257,21 +303,25 @@ class RaftJournal(JournalRewrite, Journal):
     # -- lifecycle ------------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Everything written so far to stable storage now, whatever the policy (waits for a
-        pending compaction rewrite: not for the tick thread)."""
-        self._wait_rewritten()
-        self._sync()
+        """Everything written so far to stable storage now, whatever the policy."""
+        self._sync(force=True)
         if self._meta_dirty:
             self._write_meta()
         self._sync_meta()
 
     def _destroy(self) -> None:
-        """pysyncobj's close: finish a pending rewrite (a clean stop leaves a clean journal), stop
-        the syncing thread, sync (unless ``never``), close."""
+        """pysyncobj's close: stop the syncing thread and the segment worker, sync (unless
+        ``never``), close."""
         self._stop.set()
-        self._wait_rewritten()
-        if self._fd < 0:
+        if self._closed:
             return
+        self._stopping = True
+        self._stop_pool()
+        with self._lock:  # a clean stop ends the log with a marker (the next open starts anew)
+            seg = self._active
+            if seg is not None and seg.tail + RECORD.size <= seg.size:
+                self._write(seg, [segments.marker(seg.epoch)], seg.tail, "ending a segment")
+                self._dirty.add(seg)
         if self._policy != "never":
             self._sync()
         if self._meta_dirty:
@@ -280,16 +330,17 @@ class RaftJournal(JournalRewrite, Journal):
             self._sync_meta()
         self._meta.close()
         with self._lock:
-            fd, self._fd = self._fd, -1
-        os.close(fd)
+            self._closed = True
+            self._close_segments()
 
     def __del__(self) -> None:  # a group dropped without stop(): no descriptor leak
-        stop = getattr(self, "_stop", None)  # (a running rewriter holds a reference: not then)
+        stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
-        if getattr(self, "_fd", -1) >= 0:
-            os.close(self._fd)
-        self._fd = -1
+        self._stopping = True
+        if not getattr(self, "_closed", True) and hasattr(self, "_free"):  # (not if open failed)
+            self._closed = True
+            self._close_segments()
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -298,38 +349,29 @@ class RaftJournal(JournalRewrite, Journal):
         if self._policy == "always":
             self._sync()
 
-    def _sync(self) -> None:
-        """fdatasync the journal if anything changed since the last one (any thread)."""
-        with self._lock:  # held only to read the descriptor: the tick thread never waits for an
+    def _sync(self, force: bool = False) -> None:
+        """fdatasync the segments written since the last one (any thread); ``force``: also
+        under ``never``."""
+        if self._policy == "never" and not force:
+            return
+        with self._lock:  # held only to take descriptors: the tick thread never waits for an
             target = self._changes  # fdatasync in flight on the background thread
-            if self._fd < 0 or target == self._synced:
+            if self._closed or not self._dirty:
+                self._synced = max(self._synced, target)
                 return
-            fd = os.dup(self._fd)
+            fds = [os.dup(seg.fd) for seg in self._dirty if seg.fd >= 0]
+            self._dirty.clear()
         try:
-            disk.fdatasync(fd)
+            for fd in fds:
+                disk.fdatasync(fd)
         except OSError as exc:
             self._on_io_error(exc, "fdatasync of the journal")
             raise
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
         with self._lock:
             self._synced = max(self._synced, target)
-
-    # -- file access ----------------------------------------------------------------------------
-
-    def _write(self, buffers: Sequence[Any], offset: int, what: str) -> None:
-        try:
-            disk.pwrite_all(self._fd, buffers, offset)
-        except OSError as exc:
-            self._on_io_error(exc, what)
-            raise
-
-    def _truncate(self, size: int) -> None:
-        try:
-            os.ftruncate(self._fd, size)
-        except OSError as exc:
-            self._on_io_error(exc, "truncating the journal")
-            raise
 
     def _write_meta(self) -> None:
         """Overwrite the meta file's next slot (kvps.raft.meta_file); under ``always`` also
@@ -376,11 +418,12 @@ def _background(ref: weakref.ref, stop: threading.Event, period: float) -> None:
 
 
 def using_journal(path: str | Path, *, fsync: str, fsync_interval: float, first_index: int = 0,
+                  segment_bytes: int = 64 << 20,
                   on_damage: Callable[[str], None] | None = None) -> AbstractContextManager[None]:
     """While inside, a ``SyncObj`` constructed with ``journalFile=path`` gets a ``RaftJournal``
     with this policy, dropping records below ``first_index`` (the index of the dump file's
     previous entry, 0 without one: see ``kvps.raft.journal_file``) and calling ``on_damage`` if
     it finds damage. Raises ``RuntimeError`` if the block ends without pysyncobj asking for it."""
     make = partial(RaftJournal, fsync=fsync, fsync_interval=fsync_interval, first_index=first_index,
-                   on_damage=on_damage)
+                   segment_bytes=segment_bytes, on_damage=on_damage)
     return internals.journal_factory(path, make)

@@ -1,4 +1,7 @@
-"""The Raft journal file (``raft.journal``): its layout, and reading it back when it opens.
+"""The single-file Raft journal (``raft.journal``) of kvps before segments: its layout, and
+reading it back. ``RaftJournal`` reads such a file once, moves its records into segments
+(``kvps.raft.segments``, which keeps its record header and its torn-tail/damage rules) and removes
+it; the structures below are shared with the segments.
 
 Layout (little-endian)::
 

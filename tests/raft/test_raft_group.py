@@ -690,19 +690,24 @@ def test_a_replica_that_lost_its_data_withholds_its_vote_until_it_has_caught_up(
 
 def _damage_record_of(journal: Path, needle: bytes) -> None:
     """Flip one byte inside the command of the journal record that holds ``needle`` (the format:
-    a 16-byte header, then records '<IIQQ' + command, kvps.raft.journal)."""
-    data = bytearray(journal.read_bytes())
-    offset = 16
-    while offset < len(data):
-        _, length, _, _ = struct.unpack_from("<IIQQ", data, offset)
-        command = offset + 24
-        if needle in data[command:command + length]:
-            data[command + length - 1] ^= 0xFF
-            journal.write_bytes(bytes(data))
-            return
-        offset = command + length
+    segment files ``raft.journal.seg-*``, a live one has state 1 in its header, then records
+    '<IIQQ' + command from offset 4096 until the end marker, kvps.raft.segments)."""
+    for seg in sorted(journal.parent.glob(journal.name + ".seg-*")):
+        data = bytearray(seg.read_bytes())
+        if struct.unpack_from("<H", data, 10)[0] != 1:
+            continue
+        offset = 4096
+        while offset + 24 <= len(data):
+            _, length, index, _ = struct.unpack_from("<IIQQ", data, offset)
+            command = offset + 24
+            if index == 0 or command + length > len(data):
+                break
+            if needle in data[command:command + length]:
+                data[command + length - 1] ^= 0xFF
+                seg.write_bytes(bytes(data))
+                return
+            offset = command + length
     raise AssertionError(f"no record holds {needle!r}")
-
 
 def test_a_replica_whose_journal_is_damaged_mid_file_recovers_before_it_votes(tmp_path):
     """The issue's reproduction: entries committed by the leader and one follower; the follower's

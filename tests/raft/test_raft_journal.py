@@ -30,14 +30,13 @@ from kvps.config import (
     load_cluster,
 )
 from kvps.errors import CodecError, ConfigError
-from kvps.raft import disk
-from kvps.raft import journal as journal_module
-from kvps.raft import journal_rewrite
-from kvps.raft.journal import MAGIC, RaftJournal, using_journal
+from kvps.raft import disk, journal_file, segments
+from kvps.raft.journal import MAGIC, SEG_MAGIC, RaftJournal, using_journal
 from kvps.raft.meta_file import META_MAGIC, SLOT
+from kvps.raft.segments import DATA, SEG_HEADER
 
-HEADER = 16  # '<8sHHI'
 RECORD = 24  # '<IIQQ'
+SEGMENT = 16 * 1024  # small segments: a few records each, so tests cross their ends
 
 
 class IOErrorSeen(Exception):
@@ -50,6 +49,7 @@ def raise_instead_of_exit(exc: OSError, what: str) -> None:
 
 def open_journal(path: Path, fsync: str = "never", **kwargs) -> RaftJournal:
     kwargs.setdefault("on_io_error", raise_instead_of_exit)
+    kwargs.setdefault("segment_bytes", SEGMENT)
     return RaftJournal(path, fsync=fsync, **kwargs)
 
 
@@ -68,39 +68,40 @@ def fill(j: RaftJournal, n: int, first: int = 1, term: int = 1, size: int = 100)
 
 # ---- format ---------------------------------------------------------------------------------------
 
-def test_version_1_journal_keeps_crc32_records_and_new_ones_get_xxh3(tmp_path, monkeypatch):
-    """A journal written before XXH3 (version 1, CRC-32 records) opens, appends and rewrites in
-    its own version; a new file is version 2. A record whose sum is computed the other way is a
-    torn tail, not a good record."""
-    old = tmp_path / "old" / "raft.journal"
-    old.parent.mkdir()
-    monkeypatch.setattr(journal_module, "VERSION", 1)
-    j = open_journal(old)
-    added = fill(j, 3)
-    j._destroy()
-    monkeypatch.undo()
-    assert struct.unpack_from("<H", old.read_bytes(), 8)[0] == 1
-    j = open_journal(old)
-    assert entries(j) == added
-    added += fill(j, 2, first=4)
-    j.deleteEntriesTo(2)  # drops the first two; the rewrite copies records: still version 1
-    j._destroy()
-    data = old.read_bytes()
-    assert struct.unpack_from("<H", data, 8)[0] == 1
-    crc, length, index, term = struct.unpack_from("<IIQQ", data, HEADER)
-    command = data[HEADER + RECORD:HEADER + RECORD + length]
-    assert crc == zlib.crc32(command, zlib.crc32(data[HEADER + 4:HEADER + RECORD]))
-    assert entries(open_journal(old)) == added[2:]
+def write_legacy(path: Path, version: int, added: list) -> None:
+    """A single-file journal as kvps wrote it before segments (kvps.raft.journal_file)."""
+    out = bytearray(struct.pack("<8sHHI", MAGIC, version, 0, 0))
+    for command, index, term in added:
+        checked = struct.pack("<IQQ", len(command), index, term)
+        out += struct.pack("<I", journal_file.record_sum(version, checked, command)) + checked + command
+    path.write_bytes(bytes(out))
 
-    new = tmp_path / "raft.journal"
-    j = open_journal(new)
-    fill(j, 2)
+
+def segment_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("raft.journal.seg-*"))
+
+
+def record_at(j: RaftJournal, i: int) -> tuple[Path, int]:
+    """The segment file and offset of entry ``i``'s record."""
+    seg, offset = j._locs[i]
+    return seg.path, offset
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_single_file_journal_is_moved_into_segments(tmp_path, version):
+    """A journal written before segments (CRC-32 records in version 1, XXH3 in 2) opens: its
+    records move into segments, and the file is removed once they are durable."""
+    path = tmp_path / "raft.journal"
+    added = [(b"a" * 10, 1, 1), (b"b" * 20, 2, 1), (b"c" * 30, 3, 2)]
+    write_legacy(path, version, added)
+    with open(path, "ab") as f:
+        f.write(b"torn")  # a torn tail is dropped, as that journal did
+    j = open_journal(path, first_index=2)  # and records the snapshot covers too
+    assert entries(j) == added[1:]
+    assert not path.exists() and segment_files(tmp_path)
+    j.add(b"d", 4, 2)
     j._destroy()
-    data = bytearray(new.read_bytes())
-    assert struct.unpack_from("<H", data, 8)[0] == 2
-    struct.pack_into("<H", data, 8, 1)  # relabel as version 1: the XXH3 sums no longer match
-    new.write_bytes(bytes(data))
-    assert entries(open_journal(new)) == []
+    assert entries(open_journal(path)) == added[1:] + [(b"d", 4, 2)]
 
 
 def test_round_trip_entries_and_layout(tmp_path):
@@ -111,90 +112,109 @@ def test_round_trip_entries_and_layout(tmp_path):
     added.append((b"", 12, 3))
     assert entries(j) == added and len(j) == 6
     assert j[-1] == (b"", 12, 3) and j[1:3] == added[1:3]  # pysyncobj indexes and slices
+    seg, offset = record_at(j, 0)
     j._destroy()
-    data = path.read_bytes()
-    assert data[:8] == MAGIC
-    assert len(data) == HEADER + sum(RECORD + len(c) for c, _, _ in added)
-    _crc, length, index, term = struct.unpack_from("<IIQQ", data, HEADER)
+    assert not path.exists() and offset == DATA
+    data = seg.read_bytes()
+    assert len(data) == SEGMENT  # preallocated: appends never grow a file
+    magic, version, state, epoch, _ = SEG_HEADER.unpack_from(data, 0)
+    assert (magic, version, state) == (SEG_MAGIC, 1, 1) and epoch >= 1
+    crc, length, index, term = struct.unpack_from("<IIQQ", data, DATA)
     assert (length, index, term) == (100, 7, 2)
+    assert crc == segments.record_sum(epoch, data[DATA + 4:DATA + RECORD], data[DATA + RECORD:DATA + RECORD + 100])
     j = open_journal(path)
     assert entries(j) == added
-    j.add(b"after", 13, 3)  # appends continue at the end of what was read
+    j.add(b"after", 13, 3)  # appends go on, in a fresh segment
+    assert record_at(j, 6) == (segment_files(tmp_path)[-1], DATA)
     j._destroy()
     assert entries(open_journal(path))[-1] == (b"after", 13, 3)
+    assert all(p.stat().st_size == SEGMENT for p in segment_files(tmp_path))
 
 
-def test_torn_tail_at_every_byte_of_the_last_record(tmp_path, caplog):
-    path = tmp_path / "raft.journal"
-    j = open_journal(path)
+def crashed_copy(folder: Path, name: str) -> Path:
+    """The journal's files in ``folder`` copied into a new folder in it: the journal path there."""
+    out = folder / name
+    out.mkdir()
+    for p in folder.glob("raft.journal*"):
+        try:
+            shutil.copy(p, out / p.name)
+        except FileNotFoundError:  # a new segment renamed into place meanwhile
+            shutil.copy(p.with_suffix(""), out / p.with_suffix("").name)
+    return out / "raft.journal"
+
+
+def test_torn_tail_at_every_byte_of_the_last_record(tmp_path):
+    """A crash mid-append leaves the last record's bytes from some point on as they were before:
+    zeros in a new segment, an earlier use's bytes in a recycled one. Either ends the log there."""
+    src = tmp_path / "src"
+    src.mkdir()
+    j = open_journal(src / "raft.journal")
     added = fill(j, 3, size=40)
+    seg, last = record_at(j, 2)
     j._destroy()
-    whole = path.read_bytes()
-    last = len(whole) - (RECORD + len(added[-1][0]))
-    for cut in range(last, len(whole)):
-        torn = tmp_path / f"cut-{cut}" / "raft.journal"
-        torn.parent.mkdir()
-        torn.write_bytes(whole[:cut])
-        caplog.clear()
-        damage: list[str] = []
-        with caplog.at_level(logging.WARNING, logger="kvps.raft"):
+    whole = seg.read_bytes()
+    end = last + RECORD + len(added[-1][0])
+    for cut in range(last, end):
+        for filler in (0, 0xA5):
+            torn = crashed_copy(src, f"cut-{cut}-{filler}")
+            data = bytearray(whole)
+            data[cut:end + RECORD] = bytes([filler]) * (end + RECORD - cut)  # the marker too
+            (torn.parent / seg.name).write_bytes(bytes(data))
+            damage: list[str] = []
             j = open_journal(torn, on_damage=damage.append)
-        assert entries(j) == added[:2], cut
-        assert damage == [], cut  # a crash's footprint: the replica goes on voting
-        assert not list(torn.parent.glob("*.damaged-*"))
-        assert os.path.getsize(torn) == last  # truncated to the last good record
-        if cut > last:
-            assert f"dropped {cut - last} bytes" in caplog.text
-        j.add(*added[2])  # the log goes on where the good records end
-        j._destroy()
-        assert entries(open_journal(torn)) == added
+            assert entries(j) == added[:2], cut
+            assert damage == [], cut  # a crash's footprint: the replica goes on voting
+            assert not list(torn.parent.glob("*.damaged-*"))
+            j.add(*added[2])  # the log goes on where the good records end
+            j._destroy()
+            assert entries(open_journal(torn)) == added
 
 
 def test_damage_in_the_middle_keeps_the_records_before_it_and_is_reported(tmp_path, caplog):
     """A complete record failing its checksum with records after it is damage, not a torn tail:
     the entries after it may have been acknowledged, so the group must learn it (it then
     recovers before it votes) before anything is dropped, and the dropped bytes are kept."""
-    path = tmp_path / "raft.journal"
-    j = open_journal(path)
+    src = tmp_path / "src"
+    src.mkdir()
+    j = open_journal(src / "raft.journal")
     added = fill(j, 5)
-    offsets = list(j._offsets)
+    seg, offset = record_at(j, 2)
     j._destroy()
-    whole = path.read_bytes()
-    for where in (offsets[2] + RECORD + 10,  # a command byte
-                  offsets[2] + 8,  # the index (covered by the checksum)
-                  offsets[2]):  # the checksum itself
+    whole = seg.read_bytes()
+    for where in (offset + RECORD + 10,  # a command byte
+                  offset + 8,  # the index (covered by the checksum)
+                  offset):  # the checksum itself
         data = bytearray(whole)
         data[where] ^= 0x40
-        bad = tmp_path / f"bad-{where}" / "raft.journal"
-        bad.parent.mkdir()
-        bad.write_bytes(bytes(data))
+        bad = crashed_copy(src, f"bad-{where}")
+        (bad.parent / seg.name).write_bytes(bytes(data))
         damage: list[str] = []
 
-        def on_damage(what: str) -> None:  # called before the file is cut
-            assert os.path.getsize(bad) == len(whole)
+        def on_damage(what: str) -> None:  # called before anything is dropped
+            assert (bad.parent / seg.name).read_bytes() == bytes(data)
             damage.append(what)
         with caplog.at_level(logging.WARNING, logger="kvps.raft"):
             j = open_journal(bad, on_damage=on_damage)
         assert entries(j) == added[:2]
-        assert os.path.getsize(bad) == offsets[2]
-        assert len(damage) == 1 and f"offset {offsets[2]}" in damage[0]
+        assert len(damage) == 1 and f"offset {offset}" in damage[0]
         kept, = bad.parent.glob("raft.journal.damaged-*")
-        assert kept.read_bytes() == bytes(data[offsets[2]:])
+        assert kept.read_bytes() == bytes(data[offset:])
         j._destroy()
+        assert entries(open_journal(bad)) == added[:2]  # cut for good: not damage again
     assert "checksum mismatch" in caplog.text
 
 
 def test_a_damaged_last_record_is_a_torn_tail(tmp_path):
-    """The file's last record failing its checksum is what a crash mid-append leaves (its pages
-    written out of order): truncated, not reported as damage."""
+    """The last record failing its checksum is what a crash mid-append leaves (its pages
+    written out of order): the log ends before it, not reported as damage."""
     path = tmp_path / "raft.journal"
     j = open_journal(path)
     added = fill(j, 3)
-    last = j._offsets[-1]
+    seg, last = record_at(j, 2)
     j._destroy()
-    data = bytearray(path.read_bytes())
+    data = bytearray(seg.read_bytes())
     data[last + RECORD + 5] ^= 0x01
-    path.write_bytes(bytes(data))
+    seg.write_bytes(bytes(data))
     damage: list[str] = []
     assert entries(open_journal(path, on_damage=damage.append)) == added[:2]
     assert damage == []
@@ -227,58 +247,75 @@ def test_wrong_magic_and_version_are_refused(tmp_path):
     newer.write_bytes(struct.pack("<8sHHI", MAGIC, 99, 0, 0))
     with pytest.raises(CodecError, match="version 99"):
         open_journal(newer)
+    for name, head, match in (("bad", b"NOTASEGM" + bytes(20), "not a kvps journal segment"),
+                              ("newer-seg", SEG_HEADER.pack(SEG_MAGIC, 9, 1, 1, 0), "version 9")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "raft.journal.seg-000001").write_bytes(head + bytes(SEGMENT - len(head)))
+        with pytest.raises(CodecError, match=match):
+            open_journal(tmp_path / name / "raft.journal")
 
 
-def test_delete_entries_from_truncates(tmp_path):
+def test_delete_entries_from_ends_the_log_without_truncating(tmp_path):
     path = tmp_path / "raft.journal"
     j = open_journal(path)
-    added = fill(j, 6)
+    added = fill(j, 30, size=1000)  # several segments
+    assert len(j._live) > 2
+    seg, offset = record_at(j, 4)
     j.deleteEntriesFrom(4)
-    j.deleteEntriesFrom(10)  # past the end: nothing
+    j.deleteEntriesFrom(40)  # past the end: nothing
     assert entries(j) == added[:4]
-    assert os.path.getsize(path) == j._offsets[-1] + RECORD + len(added[3][0])
-    j.add(b"new", 5, 2)  # a new leader's entry replaces the old 5th
+    assert all(p.stat().st_size == SEGMENT for p in segment_files(tmp_path))
+    assert seg.read_bytes()[offset:offset + RECORD] == segments.marker(j._live[-1].epoch)
+    assert len(j._live) == 1 and len(j._free) >= 2  # the later ones, free at once
+    j.add(b"new", 5, 2)  # a new leader's entry replaces the old 5th, in a fresh segment
+    assert record_at(j, 4)[1] == DATA
+    assert entries(open_journal(crashed_copy(tmp_path, "crash"))) == added[:4] + [(b"new", 5, 2)]
     j._destroy()
     assert entries(open_journal(path)) == added[:4] + [(b"new", 5, 2)]
 
 
-def test_delete_entries_to_rewrites_by_rename(tmp_path):
+def test_delete_entries_to_retires_whole_segments_for_reuse(tmp_path):
     path = tmp_path / "raft.journal"
     j = open_journal(path, fsync="always")
-    added = fill(j, 6, first=3)
-    inode = os.stat(path).st_ino
-    j.deleteEntriesTo(4)
-    assert entries(j) == added[4:]  # in memory at once; the file is rewritten in the background
-    j._wait_rewritten()
-    assert os.stat(path).st_ino != inode  # a new file, renamed over the old one
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["raft.journal", "raft.journal.meta"]  # no tmp
-    j.add(b"more", 9, 1)
+    added = fill(j, 30, first=3, size=1000)
+    j._settle()
+    files = {p: p.stat().st_ino for p in segment_files(tmp_path)}
+    j.deleteEntriesTo(20)
+    assert entries(j) == added[20:]  # in memory at once; segments freed in the background
+    j._settle()
+    assert j._free and not j._retired and all(s.first <= 23 for s in j._live[:1])
+    for k in range(200):  # many compactions: segments come back round, no file is created
+        fill(j, 5, first=33 + 5 * k, size=1000)
+        j.deleteEntriesTo(len(j) - 3)
+    j._settle()
+    assert {p: p.stat().st_ino for p in segment_files(tmp_path)} == files
+    kept = entries(j)
     j.deleteEntriesTo(0)  # nothing to drop
     j._destroy()
-    assert entries(open_journal(path)) == added[4:] + [(b"more", 9, 1)]
+    # the first segment may hold older records too: ShardGroup passes the snapshot's index
+    assert entries(open_journal(path, first_index=kept[0][1])) == kept
 
 
-def test_delete_entries_to_cut_short_leaves_the_old_journal(tmp_path, monkeypatch):
+def test_a_recycled_segment_never_returns_its_old_records(tmp_path):
+    """Its records are summed with the segment's epoch, bumped on each use: an earlier use's
+    record beyond the new tail fails its checksum, even one with the very same bytes (same index,
+    term, command and offset) that would continue the log."""
     path = tmp_path / "raft.journal"
-    errors: list[str] = []
-    j = open_journal(path, "always", on_io_error=lambda exc, what: errors.append(what))
-    added = fill(j, 6)
-
-    def crash(src, dst):
-        raise OSError(5, "simulated crash before the rename")
-
-    monkeypatch.setattr(journal_module.os, "rename", crash)
-    j.deleteEntriesTo(3)  # the tick thread is not the one that meets the error
-    j._wait_rewritten()
-    monkeypatch.undo()
-    assert errors == [f"rewriting the journal into {path}.tmp"]
-    assert (tmp_path / "raft.journal.tmp").exists()  # what a crash here leaves behind
-    reopened = open_journal(path)  # as after a restart: the old journal, whole
-    assert entries(reopened) == added
-    assert not (tmp_path / "raft.journal.tmp").exists()
-    reopened._destroy()
-    # and where the snapshot is known, from its previous entry on (ShardGroup passes it)
-    assert entries(open_journal(path, first_index=added[3][1])) == added[3:]
+    j = open_journal(path)
+    old = fill(j, 10, size=20)
+    (seg, _), = {(s, 0) for s, _ in j._locs}
+    j.clear()  # a snapshot from the leader replaces the log
+    j._settle()
+    assert j._free == [seg]
+    new = fill(j, 5, size=20)  # the same entries as the first five: the same bytes at the same offsets
+    assert new == old[:5] and j._live == [seg]
+    data = seg.path.read_bytes()
+    offset = j._locs[4][1] + RECORD + len(new[4][0])  # the old sixth record, still there
+    assert data[offset + 4:offset + RECORD] == struct.pack("<IQQ", len(old[5][0]), 6, 1)
+    assert data[offset + RECORD:offset + RECORD + len(old[5][0])] == old[5][0]
+    assert entries(open_journal(crashed_copy(tmp_path, "crash"))) == new  # as after kill -9
+    j._destroy()
+    assert entries(open_journal(path)) == new
 
 
 def test_a_stale_tmp_file_is_removed_at_open(tmp_path):
@@ -289,15 +326,17 @@ def test_a_stale_tmp_file_is_removed_at_open(tmp_path):
     (tmp_path / "raft.journal.tmp").write_bytes(MAGIC + b"half a rewrite")
     (tmp_path / "raft.journal.meta.tmp").write_bytes(b"half a meta")
     assert entries(open_journal(path)) == added
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["raft.journal", "raft.journal.meta"]
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_clear(tmp_path):
     path = tmp_path / "raft.journal"
     j = open_journal(path)
-    fill(j, 3)
+    fill(j, 30, size=1000)
     j.clear()
-    assert len(j) == 0 and os.path.getsize(path) == HEADER
+    j._settle()  # (a spare segment the worker creates has its size once allocated)
+    assert len(j) == 0 and all(p.stat().st_size == SEGMENT for p in segment_files(tmp_path))
+    assert entries(open_journal(crashed_copy(tmp_path, "crash"))) == []  # no entry comes back
     j.add(b"a", 50, 4)
     j._destroy()
     assert entries(open_journal(path)) == [(b"a", 50, 4)]
@@ -331,9 +370,11 @@ def test_commit_index_past_the_journal_is_clamped(tmp_path, caplog):
     fill(j, 10)
     j.setRaftCommitIndex(10)
     j.flush()
+    seg, last = record_at(j, 9)
     j._destroy()
-    with open(path, "r+b") as f:  # the tail a power loss took, while the meta survived
-        f.truncate(os.path.getsize(path) - 50)
+    with open(seg, "r+b") as f:  # the tail a power loss took, while the meta survived
+        f.seek(last + RECORD + 50)
+        f.write(bytes(100))
     with caplog.at_level(logging.WARNING, logger="kvps.raft"):
         assert open_journal(path).getRaftCommitIndex() == 9
     assert "commit index 10 is past the journal's last entry 9" in caplog.text
@@ -421,7 +462,7 @@ def test_term_and_vote_are_overwritten_in_place_never_renamed(tmp_path):
     j.setRaftCommitIndex(1)
     j.flush()
     assert os.stat(tmp_path / "raft.journal.meta").st_ino == inode
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["raft.journal", "raft.journal.meta"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raft.journal.meta"]  # (no entry yet)
     j._destroy()
 
 
@@ -468,14 +509,22 @@ def test_never_syncs_nothing(tmp_path, monkeypatch):
 def test_always_syncs_each_change_before_returning(tmp_path, monkeypatch):
     counter = SyncCounter(monkeypatch)
     j = open_journal(tmp_path / "raft.journal", "always")
-    assert counter.take() == (0, 4)  # the new files (meta, journal header): each file + directory
-    fill(j, 3)
-    assert counter.take() == (3, 0)  # one fdatasync per append
+    assert counter.take() == (0, 2)  # the new meta file, and the directory
+    fill(j, 3)  # the first append creates a segment: the file and the directory
+    assert counter.take() == (3, 2)  # then one fdatasync per append
     j.deleteEntriesFrom(2)
     assert counter.take() == (1, 0)
     j.deleteEntriesTo(1)
-    j._wait_rewritten()  # on the rewriter thread: the directory (the snapshot's rename first),
-    assert counter.take() == (2, 2)  # the copy, the file before and the directory after the rename
+    j._settle()  # nothing retired: the segment still holds the entry kept
+    assert counter.take() == (0, 0)
+    fill(j, 30, first=2, size=1000)
+    j._settle()
+    counter.take()
+    before = counter.on_test_thread
+    j.deleteEntriesTo(25)
+    assert counter.on_test_thread == before  # the tick thread syncs nothing for a compaction
+    j._settle()  # the worker fsyncs the directory (the snapshot's rename first), nothing else
+    assert counter.take() == (0, 1)
     j.setCurrentTerm(1, "a:1")
     assert counter.take() == (1, 0)  # the meta slot written in place, before pysyncobj sends anything
     j.setRaftCommitIndex(2)
@@ -486,7 +535,7 @@ def test_always_syncs_each_change_before_returning(tmp_path, monkeypatch):
              and j._meta._synced == j._meta._changes, 10, "the commit index on disk, synced")
     counter.take()
     j._destroy()
-    assert counter.take()[0] == 0  # nothing left to sync
+    assert counter.take()[0] == 1  # nothing left to sync but the end marker a clean stop writes
 
 
 def test_interval_syncs_in_the_background(tmp_path, monkeypatch):
@@ -522,18 +571,40 @@ def open_fds(folder: Path) -> list[str]:
     return sorted(out)
 
 
-def test_the_rewriter_closes_the_replaced_file(tmp_path):
-    """Closing the replaced journal frees its blocks and waits for write-back in flight: the
-    rewriter thread does it, not the tick thread."""
+def test_recycling_opens_no_new_files(tmp_path):
+    """In a steady append + compaction loop the journal's own descriptors stay the same files:
+    retired segments come back as the next ones, none is created or unlinked."""
     j = open_journal(tmp_path / "raft.journal", "interval", fsync_interval=3600)
-    added = fill(j, 4)
+    fill(j, 40, size=1000)
+    j.deleteEntriesTo(len(j) - 2)
+    j._settle()
     before = open_fds(tmp_path)
-    j.deleteEntriesTo(2)
-    j._wait_rewritten()
-    assert open_fds(tmp_path) == before  # the new file's descriptor replaced the old one's
-    assert entries(j) == added[2:]
+    for k in range(50):
+        fill(j, 10, first=41 + 10 * k, size=1000)
+        j.deleteEntriesTo(len(j) - 2)
+        j._settle()  # (compactions are far apart: the worker has freed the segments by the next)
+    assert open_fds(tmp_path) == before
+    kept = entries(j)
     j._destroy()
-    assert entries(open_journal(tmp_path / "raft.journal")) == added[2:]
+    assert open_fds(tmp_path) == []
+    assert entries(open_journal(tmp_path / "raft.journal", first_index=kept[0][1])) == kept
+
+
+def test_an_oversized_record_gets_a_segment_of_its_own(tmp_path):
+    path = tmp_path / "raft.journal"
+    j = open_journal(path, "always")
+    added = fill(j, 2) + [(b"x" * (3 * SEGMENT), 3, 1)]
+    j.add(*added[-1])
+    big = j._locs[-1][0]
+    assert big.size > SEGMENT and big.size % (1 << 20) == 0
+    added += fill(j, 2, first=4)
+    j._destroy()
+    assert entries(open_journal(path)) == added
+    j = open_journal(path)
+    j.deleteEntriesTo(len(j))  # (the rest of its megabyte took the next records too)
+    j._settle()
+    assert not big.path.exists()  # unlinked once retired, never reused
+    j._destroy()
 
 
 def test_flush_syncs_under_every_policy(tmp_path, monkeypatch):
@@ -544,146 +615,28 @@ def test_flush_syncs_under_every_policy(tmp_path, monkeypatch):
     assert counter.take() == (1, 0)
 
 
-# ---- compaction rewrites off the tick thread ------------------------------------------------------
-
-def is_rewriter() -> bool:
-    return threading.current_thread().name.startswith("kvps-journal-rewrite")
-
-
-class RewriteGate:
-    """Stands in for the journal's fdatasync: holds the rewriter thread in its first one, after it
-    copied the kept records into the new file and before it switches files, until ``release``.
-    Other threads' fdatasyncs, and the rewriter's once released, pass straight through."""
-
-    def __init__(self) -> None:
-        self.reached = threading.Event()
-        self.opened = threading.Event()
-        self.stuck = False
-
-    def __call__(self, fd: int) -> None:
-        if is_rewriter() and not self.opened.is_set():
-            self.reached.set()
-            if not self.opened.wait(30):
-                self.stuck = True  # the test forgot to release: it fails on this flag
-
-    def hold(self, j: RaftJournal, cut: int) -> None:
-        """``j.deleteEntriesTo(cut)``, then wait for the rewriter to stop at the gate."""
-        self.opened.clear()
-        self.reached.clear()
-        j.deleteEntriesTo(cut)
-        wait_for(lambda: self.reached.is_set() or j._rewriter is None, 10, "the rewriter's copy")
-        assert self.reached.is_set(), "the rewriter finished without syncing the new file"
-
-    def release(self, j: RaftJournal) -> None:
-        self.opened.set()
-        j._wait_rewritten()
-        assert not self.stuck
-
+# ---- retiring segments off the tick thread --------------------------------------------------------
 
 def after_a_crash(path: Path, first_index: int) -> list[tuple[bytes, int, int]]:
-    """The entries a restart would see if the process died now: the files copied as they are
-    (a stale .tmp included), opened with the snapshot's previous index, as ShardGroup does."""
+    """The entries a restart would see if the process died now: the files copied as they are,
+    opened with the snapshot's previous index, as ShardGroup does."""
     crashed = path.parent / "crashed"
     shutil.rmtree(crashed, ignore_errors=True)
-    crashed.mkdir()
-    for name in ("raft.journal", "raft.journal.tmp", "raft.journal.meta"):
-        if (path.parent / name).exists():
-            shutil.copy(path.parent / name, crashed / name)
-    j = open_journal(crashed / "raft.journal", first_index=first_index)
+    j = open_journal(crashed_copy(path.parent, "crashed"), first_index=first_index)
     try:
         return entries(j)
     finally:
         j._destroy()
 
 
-@pytest.fixture()
-def gate(monkeypatch) -> RewriteGate:
-    gate = RewriteGate()
-    monkeypatch.setattr(disk, "fdatasync", gate)
-    yield gate
-    gate.opened.set()
-
-
-@pytest.mark.parametrize("catch_up_bytes", [0, 1 << 20], ids=["rounds", "one-round"])
-def test_appends_during_a_pending_rewrite_land_in_the_new_file(tmp_path, gate, monkeypatch,
-                                                                catch_up_bytes):
-    monkeypatch.setattr(journal_rewrite, "_CATCH_UP_BYTES", catch_up_bytes)
-    path = tmp_path / "raft.journal"
-    j = open_journal(path, "interval", fsync_interval=3600)
-    model = fill(j, 8)
-    inode = os.stat(path).st_ino
-    gate.hold(j, 5)
-    model = model[5:]
-    assert entries(j) == model and j._rewriter is not None
-    model += fill(j, 4, first=9, term=2)  # into the old file, while the new one is being synced
-    assert entries(j) == model
-    assert after_a_crash(path, first_index=6) == model
-    gate.release(j)
-    assert os.stat(path).st_ino != inode
-    model += fill(j, 2, first=13, term=2)  # into the new file
-    assert after_a_crash(path, first_index=6) == model
-    assert entries(open_journal(path)) == model  # the new file alone, without first_index
-    j._destroy()
-    assert entries(open_journal(path)) == model
-
-
-def test_delete_entries_from_during_a_pending_rewrite(tmp_path, gate):
-    path = tmp_path / "raft.journal"
-    j = open_journal(path, "interval", fsync_interval=3600)
-    model = fill(j, 8)
-    gate.hold(j, 3)  # the new file holds entries 4..8 now
-    model = model[3:]
-    j.deleteEntriesFrom(2)  # a new leader replaces 6..8, which the rewriter already copied
-    model = model[:2]
-    model += fill(j, 2, first=6, term=3, size=7)  # shorter records: the old bytes would show
-    assert after_a_crash(path, first_index=4) == model
-    gate.release(j)
-    assert entries(j) == model
-    j._destroy()
-    assert entries(open_journal(path)) == model
-
-
-def test_delete_entries_to_during_a_pending_rewrite(tmp_path, gate):
-    path = tmp_path / "raft.journal"
-    j = open_journal(path, "interval", fsync_interval=3600)
-    model = fill(j, 10)
-    gate.hold(j, 2)
-    model = model[2:]
-    model += fill(j, 1, first=11)
-    j.deleteEntriesTo(4)  # a second compaction finished before the first rewrite did
-    model = model[4:]
-    assert entries(j) == model
-    assert after_a_crash(path, first_index=7) == model
-    gate.release(j)  # the rewriter went round again, from the new cut
-    assert entries(open_journal(path)) == model  # without first_index: nothing older is left
-    j._destroy()
-    assert entries(open_journal(path)) == model
-
-
-def test_clear_during_a_pending_rewrite(tmp_path, gate):
-    path = tmp_path / "raft.journal"
-    j = open_journal(path, "interval", fsync_interval=3600)
-    fill(j, 6)
-    gate.hold(j, 3)
-    j.clear()  # a snapshot installed from the leader
-    model = fill(j, 2, first=40, term=5)
-    assert after_a_crash(path, first_index=40) == model
-    gate.release(j)  # the rewrite gave up: it copied records that are gone
-    assert not (tmp_path / "raft.journal.tmp").exists()
-    assert entries(open_journal(path)) == model
-    gate.hold(j, 1)  # and a later compaction still rewrites
-    gate.release(j)
-    j._destroy()
-    assert entries(open_journal(path)) == model[1:]
-
-
 @pytest.mark.parametrize("policy", ["interval", "always"])
 def test_delete_entries_to_does_not_wait_for_the_disk(tmp_path, monkeypatch, policy):
-    """Every fsync sleeps (5 s, unless released): deleteEntriesTo returns while the rewriter is
-    still asleep in one, and (``interval``) appends and truncations go on meanwhile."""
+    """Every fsync sleeps (5 s, unless released): deleteEntriesTo returns while the segment
+    worker is still asleep in one, and (``interval``) appends and truncations go on meanwhile."""
     path = tmp_path / "raft.journal"
     j = open_journal(path, policy, fsync_interval=3600)
-    model = fill(j, 6)
+    model = fill(j, 30, size=1000)
+    j._settle()
     sleeping, woken, release = threading.Event(), threading.Event(), threading.Event()
     waiters: list[str] = []
 
@@ -695,22 +648,22 @@ def test_delete_entries_to_does_not_wait_for_the_disk(tmp_path, monkeypatch, pol
 
     monkeypatch.setattr(disk, "fsync", slow_fsync)
     monkeypatch.setattr(disk, "fdatasync", slow_fsync)
-    j.deleteEntriesTo(4)
+    j.deleteEntriesTo(24)
     assert not woken.is_set(), "deleteEntriesTo waited for an fsync"
-    model = model[4:]
+    model = model[24:]
     assert entries(j) == model
-    wait_for(sleeping.is_set, 10, "the rewriter to sleep in an fsync")
+    wait_for(sleeping.is_set, 10, "the worker to sleep in an fsync")
     if policy == "interval":
-        model += fill(j, 3, first=7)
+        model += fill(j, 3, first=31)
         j.deleteEntriesFrom(4)
         model = model[:4]
     assert not woken.is_set()
-    assert all(name.startswith("kvps-journal-rewrite") for name in waiters), waiters
+    assert all(name.startswith("kvps-journal-segments") for name in waiters), waiters
     release.set()
-    j._wait_rewritten()
+    j._settle()
     monkeypatch.undo()
     j._destroy()
-    assert entries(open_journal(path)) == model
+    assert entries(open_journal(path, first_index=model[0][1])) == model
 
 
 def test_open_drops_the_records_the_snapshot_covers(tmp_path, caplog):
@@ -722,13 +675,13 @@ def test_open_drops_the_records_the_snapshot_covers(tmp_path, caplog):
         j = open_journal(path, first_index=7)
     assert "dropping entries 1..6, older than the snapshot's previous entry 7" in caplog.text
     assert entries(j) == added[6:]
-    j._wait_rewritten()  # the file is rewritten without them, like after deleteEntriesTo
-    assert entries(open_journal(path)) == added[6:]
     j.add(b"next", 11, 1)
     j._destroy()
     assert entries(open_journal(path, first_index=7)) == added[6:] + [(b"next", 11, 1)]
     j = open_journal(path, first_index=50)  # all of it older than the snapshot
     assert len(j) == 0
+    j._settle()
+    assert len(j._free) == len(segment_files(tmp_path))  # every segment free for reuse
     j.add(b"dump prev", 50, 2)
     j._destroy()
     assert entries(open_journal(path, first_index=50)) == [(b"dump prev", 50, 2)]
@@ -738,34 +691,32 @@ def test_open_drops_the_records_the_snapshot_covers(tmp_path, caplog):
 # ---- the list model -------------------------------------------------------------------------------
 
 class JournalModel(RuleBasedStateMachine):
-    """The journal behaves like the list pysyncobj keeps, across reopens and crashes, also while a
-    compaction's rewrite is pending: every ``delete_to`` leaves the rewriter held at the gate
-    (kept records copied, new file not yet switched to) until ``finish_rewrite``, so the other
-    rules run against a pending rewrite."""
+    """The journal behaves like the list pysyncobj keeps, across reopens and crashes, with small
+    segments (records cross their ends often), retired segments freed and reused at any point."""
 
     def __init__(self) -> None:
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="kvps-journal-"))
         self.path = self.dir / "raft.journal"
-        self.gate = RewriteGate()
-        self.real_fdatasync = disk.fdatasync
-        disk.fdatasync = self.gate  # restored in teardown
-        self.journal = open_journal(self.path, "interval", fsync_interval=3600)
+        self.journal = self.open()
         self.model: list[tuple[bytes, int, int]] = []
         self.next_index = 1  # of the next entry while the model is empty
         self.term = 1
+        self.covered = 0  # the snapshot's previous index: records below it may come back
+
+    def open(self) -> RaftJournal:
+        return open_journal(self.path, "interval", fsync_interval=3600, segment_bytes=8192,
+                            first_index=self.first_index() if hasattr(self, "model") else 0)
 
     def teardown(self) -> None:
-        self.gate.release(self.journal)
         self.journal._destroy()
-        disk.fdatasync = self.real_fdatasync
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def first_index(self) -> int:
         """The snapshot's previous entry as pysyncobj would have it: the first one kept."""
         return self.model[0][1] if self.model else self.next_index
 
-    @rule(command=st.binary(max_size=300), term_step=st.integers(0, 1))
+    @rule(command=st.binary(max_size=1500), term_step=st.integers(0, 1))
     def add(self, command, term_step):
         self.term += term_step
         entry = (command, self.model[-1][1] + 1 if self.model else self.next_index, self.term)
@@ -787,15 +738,12 @@ class JournalModel(RuleBasedStateMachine):
         cut = data.draw(st.integers(1, len(self.model)))
         if cut == len(self.model):
             self.next_index = self.model[-1][1] + 1
-        if self.journal._rewriter is None:
-            self.gate.hold(self.journal, cut)
-        else:  # a rewrite is pending already: it will go round again
-            self.journal.deleteEntriesTo(cut)
+        self.journal.deleteEntriesTo(cut)
         self.model = self.model[cut:]
 
     @rule()
-    def finish_rewrite(self):
-        self.gate.release(self.journal)
+    def settle(self):
+        self.journal._settle()
 
     @rule()
     def clear(self):
@@ -806,9 +754,8 @@ class JournalModel(RuleBasedStateMachine):
 
     @rule()
     def reopen(self):
-        self.gate.release(self.journal)
         self.journal._destroy()
-        self.journal = open_journal(self.path, "interval", fsync_interval=3600)
+        self.journal = self.open()
         assert entries(self.journal) == self.model  # a clean close left nothing to drop
 
     @rule()
@@ -895,8 +842,8 @@ def test_group_journals_survive_a_full_restart(tmp_path):
         c.stop_all()
         for address in c.addresses:
             d = tmp_path / address.replace(":", "_")
-            assert (d / "raft.journal").read_bytes()[:8] == MAGIC
-            assert not (d / "raft.journal.tmp").exists()
+            assert not (d / "raft.journal").exists()
+            assert all(p.read_bytes()[:8] == SEG_MAGIC for p in segment_files(d))
         for address in c.addresses:
             c.start(address)
         assert all(c.groups[a].term() >= terms[a] for a in c.addresses)
@@ -907,8 +854,8 @@ def test_group_journals_survive_a_full_restart(tmp_path):
 
 
 def test_a_group_restarted_in_a_compaction_crash_window_keeps_its_entries(tmp_path):
-    """The crash window of a compaction: the snapshot is in place, the journal's rewrite is not,
-    so the journal on disk starts long before the snapshot's entries. pysyncobj clears such a
+    """The journal on disk starts long before the snapshot's entries (a segment is retired only
+    once the snapshot covers all of it; and the crash window before it is). pysyncobj clears such a
     journal at start, keeping only the snapshot's two entries: every entry after the snapshot
     would be gone from this replica. ShardGroup passes the snapshot's previous index to the
     journal, which drops the older records at open instead."""
@@ -933,17 +880,18 @@ def test_a_group_restarted_in_a_compaction_crash_window_keeps_its_entries(tmp_pa
 
         d = tmp_path / address.replace(":", "_")
         snap = snapshot_file.read(d / "raft.snapshot")
-        journal = open_journal(d / "raft.journal")
+        journal = open_journal(d / "raft.journal", first_index=snap.prev_entry[1])
         kept = entries(journal)
         journal._destroy()
         assert kept[0][1] == snap.prev_entry[1] and kept[-1][1] > snap.last_entry[1] + 2
-        old = open_journal(tmp_path / "old.journal")  # as before the rewrite: from entry 1 on
+        for p in segment_files(d):  # as if no segment had been retired: from entry 1 on
+            p.unlink()
+        old = open_journal(d / "raft.journal")
         for index in range(1, kept[0][1]):
             old.add(b"covered by the snapshot", index, 1)
         for entry in kept:
             old.add(*entry)
         old._destroy()
-        os.replace(tmp_path / "old.journal", d / "raft.journal")
 
         c.start(address)
         machine = c.machines[address]
