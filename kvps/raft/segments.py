@@ -265,6 +265,7 @@ def load(path: Path, *, durable: bool, first_index: int,
                      max((s.epoch for s in segments), default=0),
                      max((int(s.path.name.rsplit("-", 1)[1]) for s in segments), default=0))
         live = sorted((s for s in segments if s.state == LIVE), key=lambda s: s.epoch)
+        unended: list[Segment] = []  # ended by a bad record: an end marker goes there
         for k, seg in enumerate(live):
             found = scan(seg, out.entries[-1] if out.entries else None)
             if found.entries and out.entries and found.entries[0][1] <= out.entries[-1][1]:
@@ -274,21 +275,23 @@ def load(path: Path, *, durable: bool, first_index: int,
             out.locs += [(seg, offset) for offset in found.offsets]
             out.live.append(seg)
             seg.tail = found.end
-            if not found.clean:  # the next append takes a fresh segment: this one ends here
-                if found.reason:  # a torn record, or one left from the segment's last use
-                    logger.info("raft journal %s: the log in %s ends at offset %d (%s)", path,
-                                   seg.path.name, found.end, found.reason)
-                if found.damaged:
-                    _damaged(path, seg, found, live[k + 1:], len(out.entries), on_damage)
-                    for dropped in live[k + 1:]:
-                        write_header(dropped, FREE, dropped.epoch)
-                        out.free.append(dropped)
-                if seg.tail + RECORD.size <= seg.size:
-                    disk.pwrite_all(seg.fd, [marker(seg.epoch)], seg.tail)
-                    if durable:
-                        disk.fdatasync(seg.fd)
-                if found.damaged:
-                    break
+            if found.clean:
+                continue
+            unended.append(seg)  # the next append takes a fresh segment: this one ends here
+            if found.reason:  # a torn record, or one left from the segment's last use
+                logger.info("raft journal %s: the log in %s ends at offset %d (%s)", path,
+                            seg.path.name, found.end, found.reason)
+            if found.damaged:  # reported before anything is dropped or overwritten
+                _damaged(path, seg, found, live[k + 1:], len(out.entries), on_damage)
+                for dropped in live[k + 1:]:
+                    write_header(dropped, FREE, dropped.epoch)
+                    out.free.append(dropped)
+                break
+        for seg in unended:
+            if seg.tail + RECORD.size <= seg.size:
+                disk.pwrite_all(seg.fd, [marker(seg.epoch)], seg.tail)
+                if durable:
+                    disk.fdatasync(seg.fd)
         _drop_covered(path, out, first_index)
         _place(out, durable, path)
         return out
@@ -302,9 +305,9 @@ def _drop_covered(path: Path, out: Loaded, first_index: int) -> None:
     entries = out.entries
     covered = min(len(entries), first_index - entries[0][1]) if entries else 0
     if covered > 0:  # indexes are consecutive (scan stops where they are not)
-        logger.warning("raft journal %s: dropping entries %d..%d, older than the snapshot's "
-                       "previous entry %d (their segments are recycled)", path,
-                       entries[0][1], entries[covered - 1][1], first_index)
+        logger.info("raft journal %s: dropping entries %d..%d, older than the snapshot's "  # usual:
+                    "previous entry %d", path,  # a segment is retired once all of it is covered
+                    entries[0][1], entries[covered - 1][1], first_index)
         del entries[:covered], out.locs[:covered]
 
 

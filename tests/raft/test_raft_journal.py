@@ -136,10 +136,12 @@ def crashed_copy(folder: Path, name: str) -> Path:
     out = folder / name
     out.mkdir()
     for p in folder.glob("raft.journal*"):
-        try:
-            shutil.copy(p, out / p.name)
-        except FileNotFoundError:  # a new segment renamed into place meanwhile
-            shutil.copy(p.with_suffix(""), out / p.with_suffix("").name)
+        for name in (p.name, p.name.removesuffix(".new")):  # a new segment renamed meanwhile
+            try:
+                shutil.copy(p.with_name(name), out / name)
+                break
+            except FileNotFoundError:  # (or a spare beyond the pool's size unlinked)
+                continue
     return out / "raft.journal"
 
 
@@ -272,6 +274,26 @@ def test_delete_entries_from_ends_the_log_without_truncating(tmp_path):
     assert entries(open_journal(crashed_copy(tmp_path, "crash"))) == added[:4] + [(b"new", 5, 2)]
     j._destroy()
     assert entries(open_journal(path)) == added[:4] + [(b"new", 5, 2)]
+
+
+def test_a_later_segment_replaces_the_log_where_a_lost_end_marker_left_it(tmp_path):
+    """A power loss can keep the records a truncation's end marker covered (the marker never
+    reached the disk) and the new leader's entries written after it, in a later segment: the
+    later segment wins from its first index on."""
+    path = tmp_path / "raft.journal"
+    j = open_journal(path)
+    added = fill(j, 8)
+    seg, offset = record_at(j, 4)
+    header = seg.read_bytes()[offset:offset + RECORD]
+    j.deleteEntriesFrom(4)
+    new = fill(j, 2, first=5, term=2)
+    j._destroy()
+    with open(seg, "r+b") as f:  # the marker lost: the old records 5..8 are back
+        f.seek(offset)
+        f.write(header)
+    damage: list[str] = []
+    assert entries(open_journal(path, on_damage=damage.append)) == added[:4] + new
+    assert damage == []
 
 
 def test_delete_entries_to_retires_whole_segments_for_reuse(tmp_path):
@@ -671,7 +693,7 @@ def test_open_drops_the_records_the_snapshot_covers(tmp_path, caplog):
     j = open_journal(path)
     added = fill(j, 10)
     j._destroy()
-    with caplog.at_level(logging.WARNING, logger="kvps.raft"):
+    with caplog.at_level(logging.INFO, logger="kvps.raft"):
         j = open_journal(path, first_index=7)
     assert "dropping entries 1..6, older than the snapshot's previous entry 7" in caplog.text
     assert entries(j) == added[6:]
