@@ -361,7 +361,10 @@ class RaftJournal(SegmentPool, Journal):
                 return
             fds = [os.dup(seg.fd) for seg in self._dirty if seg.fd >= 0]
             self._dirty.clear()
+            new_file, self._dir_dirty = self._dir_dirty, False
         try:
+            if new_file:  # a segment the tick thread created: its name is durable too
+                disk.fsync_dir(self._path.parent)
             for fd in fds:
                 disk.fdatasync(fd)
         except OSError as exc:

@@ -3,7 +3,8 @@
 The tick thread appends to the *active* segment; when a record does not fit it writes the active
 segment's end marker and takes a free one (``_take``): a new epoch in its header, appends from
 its first record on. Only when no free segment is left (the log is longer than ever before) does
-it create one itself.
+it create one itself (fsynced there under ``always``; under ``interval`` the sync thread fsyncs
+the directory in its next round).
 
 Retiring (``deleteEntriesTo`` after a compaction, ``clear``) moves segments onto ``_retired``
 without any I/O on the tick thread. The worker thread (``journal-segments``) then
@@ -13,8 +14,8 @@ without any I/O on the tick thread. The worker thread (``journal-segments``) the
   in its header and puts it on the free list; a segment of another size than
   ``journal_segment_bytes`` (made for one oversized record), and any beyond the most segments the
   log has held at once, is closed and unlinked instead;
-* creates the next segment ahead of time (allocated and written with zeros once, so its pages are
-  in the page cache) once the active one is half full and no free one is left.
+* creates the next segment ahead of time (allocated, and read once: its pages are then in the
+  page cache, with no disk write) once the active one is half full and no free one is left.
 
 A retired segment whose free mark a crash lost is still live at open: its entries lie below the
 snapshot's (``first_index``) and it is freed then (``kvps.raft.segments``).
@@ -55,6 +56,7 @@ class SegmentPool:
         self._number = number  # the highest segment file number
         self._peak = max(2, len(self._live) + 1)  # most segments the log has used at once
         self._busy = False
+        self._dir_dirty = False  # a segment created on the tick thread, its directory unsynced
         self._wake = threading.Event()
         self._worker = threading.Thread(target=_work, args=(weakref.ref(self), self._wake),
                                         name=f"kvps-journal-segments {self._path.parent.name}",
@@ -75,9 +77,10 @@ class SegmentPool:
             seg = self._free.pop()
         else:
             self._number += 1
-            try:
+            try:  # (under ``interval`` the sync thread fsyncs the directory: _dir_dirty)
                 seg = segments.create(self._path, self._number, size,
-                                      durable=self._policy != "never", prefault=False)
+                                      durable=self._policy == "always", prefault=False)
+                self._dir_dirty = self._policy == "interval"
             except OSError as exc:
                 self._on_io_error(exc, "creating a journal segment")
                 raise

@@ -63,7 +63,6 @@ SEG_VERSION = 1
 SEG_HEADER = struct.Struct("<8sHHQQ")  # magic, version, state, epoch, xxh3 of the fields before
 DATA = 4096  # records start here (the header has a page of its own)
 FREE, LIVE = 0, 1
-_ZEROS = bytes(1 << 20)
 
 logger = logging.getLogger("kvps.raft")
 
@@ -115,8 +114,8 @@ def segment_paths(path: Path) -> list[Path]:
 
 
 def create(path: Path, number: int, size: int, *, durable: bool, prefault: bool) -> Segment:
-    """A new free segment of ``size`` bytes, its blocks allocated (and, with ``prefault``, written
-    with zeros once, so its pages are in the page cache before the first append needs them)."""
+    """A new free segment of ``size`` bytes, its blocks allocated (and, with ``prefault``, read
+    once, so its pages are in the page cache before the first append needs them)."""
     seg_path = path.with_name(f"{path.name}.seg-{number:06d}")
     new_path = seg_path.with_name(seg_path.name + ".new")  # under its name once allocated
     fd = os.open(new_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -125,9 +124,10 @@ def create(path: Path, number: int, size: int, *, durable: bool, prefault: bool)
             os.posix_fallocate(fd, 0, size)
         except OSError:  # not supported here: a sparse file of that size
             os.ftruncate(fd, size)
-        if prefault:
-            for offset in range(DATA, size, len(_ZEROS)):
-                disk.pwrite_all(fd, [_ZEROS[:min(len(_ZEROS), size - offset)]], offset)
+        if prefault:  # reading allocated, never written blocks gives zeros without disk I/O,
+            buffer = bytearray(1 << 20)  # and leaves their pages in the page cache (clean)
+            for offset in range(DATA, size, len(buffer)):
+                os.preadv(fd, [buffer], offset)
         segment = Segment(seg_path, fd, size)
         write_header(segment, FREE, 0)
         if durable:
