@@ -7,6 +7,7 @@
         vals = await ps.pull(["w"])
 """
 from kvps.errors import (
+    CapacityExceeded,
     CodecError,
     ConnectError,
     InvalidRequest,
@@ -29,6 +30,7 @@ from kvps.errors import (
     VersionNotIssued,
 )
 from kvps.initializer import Constant, Normal, Uniform, Zeros
+from kvps.lifecycle import CountAdmission, ProbabilityAdmission
 from kvps.optimizer import SGD, Adagrad, Adam, Add
 
 from ._client import Client, ClientStats, RetryPolicy
@@ -40,11 +42,13 @@ __all__ = [
     "Adagrad",
     "Adam",
     "Add",
+    "CapacityExceeded",
     "Client",
     "ClientStats",
     "CodecError",
     "ConnectError",
     "Constant",
+    "CountAdmission",
     "HttpTransport",
     "InvalidRequest",
     "KeyExists",
@@ -56,6 +60,7 @@ __all__ = [
     "NotFound",
     "NotLeader",
     "Overloaded",
+    "ProbabilityAdmission",
     "PushExpired",
     "RejectedError",
     "RequestTooLarge",
