@@ -127,22 +127,24 @@ def lifecycle_from_dict(data: Any) -> Lifecycle | None:
 def least(columns: list[np.ndarray], k: int) -> np.ndarray:
     """Indices of the ``k`` smallest entries in the lexicographic order of ``columns`` (the last
     column unique, e.g. ids), sorted; O(n) per column (partition, then only the ties go on)."""
-    idx = np.arange(len(columns[0]))
+    idx = None  # None: every entry (the columns are read as they are, not copied)
     out = []
     for col in columns:
         if k <= 0:
             break
-        vals = col[idx]
-        if k >= len(idx):
-            out.append(idx)
+        vals = col if idx is None else col[idx]
+        if k >= len(vals):
+            out.append(np.arange(len(vals)) if idx is None else idx)
             k = 0
             break
         t = np.partition(vals, k - 1)[k - 1]
-        below = idx[vals < t]
+        below, tied = np.flatnonzero(vals < t), np.flatnonzero(vals == t)
+        if idx is not None:
+            below, tied = idx[below], idx[tied]
         out.append(below)
         k -= len(below)
-        idx = idx[vals == t]
-    if k > 0:  # only if the last column was not unique
+        idx = tied
+    if k > 0 and idx is not None:  # only if the last column was not unique
         out.append(idx[:k])
     return np.sort(np.concatenate(out)) if out else np.zeros(0, dtype=np.int64)
 

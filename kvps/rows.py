@@ -3,7 +3,7 @@
 No per-row Python object: the index is one int32 array of power-of-two size holding slots
 (``EMPTY`` = -1, ``TOMB`` = -2 for a removed entry), probed linearly from ``splitmix64(id)``. The ids
 themselves live in the caller's ``ids`` array (slot -> id), so an entry is 4 bytes and the index
-costs 4 / load bytes per row (load kept in (0.35, 0.7]: 5.7-11.4 bytes per row). Lookups, inserts
+costs 4 / load bytes per row (load kept in [0.25, 0.75]: 5.3-16 bytes per row). Lookups, inserts
 and removals take a whole batch of ids at once (one numpy pass per probe step); every outcome is a
 pure function of the ids and the order of operations, so replicas applying the same log hold the
 same index.
@@ -19,8 +19,8 @@ __all__ = ["EMPTY", "RowIndex"]
 EMPTY = -1
 TOMB = -2
 _MIN_SIZE = 16
-_MAX_LOAD = 0.7  # live + removed entries over size; past it the index is rebuilt
-_TARGET_LOAD = 0.35  # a rebuilt index starts this full
+_MAX_LOAD = 0.75  # live + removed entries over size; past it the index is rebuilt
+_TARGET_LOAD = 0.5  # a rebuilt index is at most this full (at least half that: sizes are powers of 2)
 
 
 def _size_for(rows: int) -> int:

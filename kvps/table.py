@@ -121,6 +121,9 @@ class Table:
         if needed <= capacity:
             return
         new_capacity = max(_MIN_CAPACITY, capacity + capacity // 4, needed)
+        cap = self.lifecycle.cap if self.lifecycle is not None else None
+        if cap is not None:  # a capped table never holds more than its cap between pushes
+            new_capacity = max(needed, min(new_capacity, cap))
         old = self._columns()
         self._allocate(new_capacity)
         for new, arr in zip(self._columns(), old):
@@ -217,34 +220,43 @@ class Table:
         return state, steps, versions
 
     def commit(self, update: RowUpdate) -> None:
-        slots = update.slots.copy()
-        new = np.flatnonzero(slots < 0)
+        """Apply ``update``: rows already stored first, then (with a lifecycle) eviction makes room,
+        then new rows go in, so the arrays never grow past the cap for room that is freed anyway."""
+        old, new = np.flatnonzero(update.slots >= 0), np.flatnonzero(update.slots < 0)
+        self._write(update, old, update.slots[old])
+        if self.lifecycle is not None:
+            self._enforce(update.now, update.slots[old], len(new))
         self._reserve(self.n + len(new))
-        slots[new] = np.arange(self.n, self.n + len(new), dtype=np.int64)
-        self.ids[slots] = update.ids
-        self.index.insert(update.ids[new], slots[new], self.ids)
+        slots = np.arange(self.n, self.n + len(new), dtype=np.int64)
+        self.ids[slots] = update.ids[new]
+        self.index.insert(update.ids[new], slots, self.ids)
         self.n += len(new)
-        self.values[slots] = update.values
-        for name, rows in update.state.items():
-            self.state[name][slots] = rows
-        self.versions[slots] = update.versions
-        self.steps[slots] = update.steps
-        self.last[slots] = update.now
-        self.count[slots[new]] = 0  # a reused slot may hold an evicted row's count
-        self.count[slots] += update.pushes
+        self.count[slots] = 0  # a reused slot may hold an evicted row's count
+        self._write(update, new, slots)
         if len(update.versions):
             self.max_version = max(self.max_version, int(update.versions.max()))
         if self.lifecycle is not None:
-            self._enforce(update.now, slots)
-            admit = self.lifecycle.admit
-            if isinstance(admit, CountAdmission):
+            if self.lifecycle.cap is not None and self.n > self.lifecycle.cap:  # the push alone overflows
+                here = self.slots_of(update.ids)
+                self._enforce(update.now, here[here >= 0], 0)
+            if isinstance(self.lifecycle.admit, CountAdmission):
                 self.pending.update(update.admitted, update.pending_ids, update.pending_counts,
                                     update.now, self.lifecycle.cap, self.lifecycle.ttl_s)
 
-    def _enforce(self, now: float, pushed: np.ndarray) -> None:
-        """Evict rows idle past the time-to-live, then, past the cap, the least recently (LRU) or
-        least frequently (LFU; ties: least recently) pushed rows, ties by id; rows of this update
-        (``pushed`` slots) only if the update alone overflows the cap."""
+    def _write(self, update: RowUpdate, rows: np.ndarray, slots: np.ndarray) -> None:
+        """Entries ``rows`` of ``update`` into ``slots``."""
+        self.values[slots] = update.values[rows]
+        for name, values in update.state.items():
+            self.state[name][slots] = values[rows]
+        self.versions[slots] = update.versions[rows]
+        self.steps[slots] = update.steps[rows]
+        self.last[slots] = update.now
+        self.count[slots] += update.pushes[rows]
+
+    def _enforce(self, now: float, pushed: np.ndarray, incoming: int) -> None:
+        """Evict rows idle past the time-to-live, then, past the cap (counting ``incoming`` rows
+        about to be added), the least recently (LRU) or least frequently (LFU; ties: least
+        recently) pushed rows, ties by id; rows of this update (``pushed`` slots) go last."""
         life = self.lifecycle
         if life is None:
             return
@@ -252,17 +264,21 @@ class Table:
         gone = np.zeros(0, dtype=np.int64)
         if life.ttl_s is not None and n:
             gone = np.flatnonzero(now - self.last[:n] > life.ttl_s)
-        over = n - len(gone) - (life.cap if life.cap is not None else n)
+        over = n + incoming - len(gone) - (life.cap if life.cap is not None else n + incoming)
+        over = min(over, n - len(gone) - len(pushed)) if incoming else over  # new rows are not here yet
         if over > 0:
-            alive = np.ones(n, dtype=bool)
-            alive[gone] = False
-            cand = np.flatnonzero(alive)
-            fresh = np.zeros(n, dtype=np.int64)
-            fresh[pushed] = 1
-            cols = [fresh[cand], self.last[cand], self.ids[cand]]
+            fresh = np.zeros(n, dtype=bool)
+            fresh[pushed] = True
+            cols = [fresh, self.last[:n], self.ids[:n]]  # views: no copy of the rows' columns
             if life.evict == "lfu":
-                cols.insert(1, self.count[cand])
-            gone = np.sort(np.concatenate([gone, cand[least(cols, over)]]))
+                cols.insert(1, self.count[:n])
+            if len(gone):  # candidates: the rows the time-to-live left
+                alive = np.ones(n, dtype=bool)
+                alive[gone] = False
+                cand = np.flatnonzero(alive)
+                gone = np.sort(np.concatenate([gone, cand[least([c[cand] for c in cols], over)]]))
+            else:
+                gone = least(cols, over)
         if len(gone):
             self.evict(gone)
 
