@@ -218,7 +218,7 @@ class Client:
         merged: dict[str, dict] = {}
         for resp in resps:
             for info in resp.meta["keys"]:
-                have = merged.setdefault(info["key"], dict(info))
+                have = merged.setdefault(info["key"], info)  # the first shard's info as it is
                 if info.get("kind") == "dense" and have is not info:
                     have["blocks"] = sorted(set(have.get("blocks", [])) | set(info.get("blocks", [])))
                 elif info.get("kind") == "table" and have is not info:  # counts summed over shards

@@ -383,8 +383,10 @@ class Replica:
     def expose_metrics(self) -> bytes:
         st = self.group.status()
         serving = st["role"] == "leader" and self.leadership.serving(st["term"])
+        tables = self.host.lookup(lambda s: [(i["key"], i["rows"], i["bytes"]) for i in s.keys()
+                                             if i["kind"] == "table"])
         return self.stats.expose(self.group, st, serving=serving,
-                                 in_flight_bytes=self.batcher.accepted_bytes)
+                                 in_flight_bytes=self.batcher.accepted_bytes, tables=tables)
 
     def _node_of(self, address: str | None) -> int | None:
         if address is None:
