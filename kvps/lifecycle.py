@@ -124,15 +124,20 @@ def lifecycle_from_dict(data: Any) -> Lifecycle | None:
                      _admission_from_dict(data.get("admit")))
 
 
-def least(columns: list[np.ndarray], k: int) -> np.ndarray:
+def least(columns: list[np.ndarray], k: int, after: np.ndarray | None = None) -> np.ndarray:
     """Indices of the ``k`` smallest entries in the lexicographic order of ``columns`` (the last
-    column unique, e.g. ids), sorted; O(n) per column (partition, then only the ties go on)."""
+    column unique, e.g. ids), entries flagged in ``after`` (bool) ordered after every other one,
+    sorted; O(n) per column (partition, then only the ties go on), one copy of the first column."""
     idx = None  # None: every entry (the columns are read as they are, not copied)
     out = []
-    for col in columns:
+    for j, col in enumerate(columns):
         if k <= 0:
             break
         vals = col if idx is None else col[idx]
+        flagged = j == 0 and after is not None and bool(after.any())
+        if flagged:  # flagged entries take the dtype's top value, so they come last
+            vals = vals.copy()
+            vals[after] = top = np.inf if vals.dtype.kind == "f" else np.iinfo(vals.dtype).max
         if k >= len(vals):
             out.append(np.arange(len(vals)) if idx is None else idx)
             k = 0
@@ -144,6 +149,10 @@ def least(columns: list[np.ndarray], k: int) -> np.ndarray:
         out.append(below)
         k -= len(below)
         idx = tied
+        if flagged and t == top:  # the rest come from the flagged: in their own order
+            out.append(tied[least([c[tied] for c in columns], k)])
+            k = 0
+            break
     if k > 0 and idx is not None:  # only if the last column was not unique
         out.append(idx[:k])
     return np.sort(np.concatenate(out)) if out else np.zeros(0, dtype=np.int64)

@@ -269,16 +269,16 @@ class Table:
         if over > 0:
             fresh = np.zeros(n, dtype=bool)
             fresh[pushed] = True
-            cols = [fresh, self.last[:n], self.ids[:n]]  # views: no copy of the rows' columns
+            cols = [self.last[:n], self.ids[:n]]  # views: no copy of the rows' columns
             if life.evict == "lfu":
-                cols.insert(1, self.count[:n])
+                cols.insert(0, self.count[:n])
             if len(gone):  # candidates: the rows the time-to-live left
                 alive = np.ones(n, dtype=bool)
                 alive[gone] = False
                 cand = np.flatnonzero(alive)
-                gone = np.sort(np.concatenate([gone, cand[least([c[cand] for c in cols], over)]]))
+                gone = np.sort(np.concatenate([gone, cand[least([c[cand] for c in cols], over, fresh[cand])]]))
             else:
-                gone = least(cols, over)
+                gone = least(cols, over, fresh)
         if len(gone):
             self.evict(gone)
 

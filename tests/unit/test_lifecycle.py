@@ -68,6 +68,9 @@ def test_least_is_the_lexicographic_order():
         k = int(rng.integers(0, n + 1))
         want = sorted(sorted(range(n), key=lambda i: (a[i], b[i], ids[i]))[:k])
         assert least([a, b, ids], k).tolist() == want
+        after = rng.random(n) < 0.3  # flagged entries (rows of the push) go last, in their own order
+        want = sorted(sorted(range(n), key=lambda i: (after[i], a[i], b[i], ids[i]))[:k])
+        assert least([a, b, ids], k, after).tolist() == want
 
 
 def test_capacity_exceeded_changes_nothing_and_is_typed():
