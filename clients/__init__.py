@@ -7,6 +7,7 @@
         vals = await ps.pull(["w"])
 """
 from kvps.errors import (
+    CapacityExceeded,
     CodecError,
     ConnectError,
     Forbidden,
@@ -30,6 +31,7 @@ from kvps.errors import (
     VersionNotIssued,
 )
 from kvps.initializer import Constant, Normal, Uniform, Zeros
+from kvps.lifecycle import CountAdmission, ProbabilityAdmission
 from kvps.optimizer import FTRL, SGD, Adagrad, Adam, Add, RowWiseAdagrad
 
 from ._client import Client, ClientStats, RetryPolicy
@@ -41,11 +43,13 @@ __all__ = [
     "Adagrad",
     "Adam",
     "Add",
+    "CapacityExceeded",
     "Client",
     "ClientStats",
     "CodecError",
     "ConnectError",
     "Constant",
+    "CountAdmission",
     "FTRL",
     "Forbidden",
     "HttpTransport",
@@ -59,6 +63,7 @@ __all__ = [
     "NotFound",
     "NotLeader",
     "Overloaded",
+    "ProbabilityAdmission",
     "PushExpired",
     "RejectedError",
     "RequestTooLarge",

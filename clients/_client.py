@@ -188,12 +188,16 @@ class Client:
         self._cache.pop(key, None)
 
     async def create_table(self, key: str, dim: int, *, dtype: str = "float32", optimizer: Any = None,
-                           init: Any = None, merge: str = "sum", clip_norm: float | None = None) -> None:
-        """Create an embedding table; rows are created on first push (untouched rows read as
-        ``init``'s value, a pure function of (seed, row id)). ``clip_norm``: per-row bound."""
+                           init: Any = None, merge: str = "sum", clip_norm: float | None = None,
+                           max_rows: int | None = None, evict: str = "lru", ttl_s: float | None = None,
+                           admit: Any = None) -> None:
+        """Create an embedding table; rows are created on first push (untouched rows read as ``init``'s
+        value, a pure function of (seed, row id)). ``clip_norm``: per-row bound; the lifecycle
+        options: README, "Row lifecycle"."""
         meta = {"key": key, "dim": int(dim), "dtype": np.dtype(dtype).name, "merge": merge,
                 "optimizer": optimizer_to_dict(clipped(optimizer or Add(), clip_norm)),
-                "init": initializer_to_dict(init or Zeros())}
+                "init": initializer_to_dict(init or Zeros()),
+                **_table_rows.table_lifecycle(max_rows, evict, ttl_s, admit, self.cluster_map.shards)}
         await self.sender.fan_out([self.call(s, "create_table", meta) for s in range(self.cluster_map.shards)])
         self._infos.pop(key, None)
 
@@ -217,11 +221,11 @@ class Client:
         merged: dict[str, dict] = {}
         for resp in resps:
             for info in resp.meta["keys"]:
-                have = merged.setdefault(info["key"], dict(info))
+                have = merged.setdefault(info["key"], info)  # the first shard's info as it is
                 if info.get("kind") == "dense" and have is not info:
                     have["blocks"] = sorted(set(have.get("blocks", [])) | set(info.get("blocks", [])))
-                elif info.get("kind") == "table":
-                    have["rows"] = have.get("rows", 0) + (info.get("rows", 0) if have is not info else 0)
+                elif info.get("kind") == "table" and have is not info:  # counts summed over shards
+                    have.update({f: have.get(f, 0) + info[f] for f in ("rows", "bytes", "pending") if f in info})
         return [merged[k] for k in sorted(merged)]
 
     async def _layout(self, key: str) -> tuple[dict, DenseLayout]:
@@ -400,8 +404,7 @@ class Client:
         """Rows ``ids`` of table ``key`` as an array (len(ids), dim); duplicate ids fetched once,
         and with the row cache only rows whose version changed cross the wire. ``min_version``
         (from ``push_rows``) with ``consistency="follower"``: as in ``pull``."""
-        return await _table_rows.pull_rows(self, key, ids, self._consistency(consistency),
-                                           int(min_version or 0))
+        return await _table_rows.pull_rows(self, key, ids, self._consistency(consistency), int(min_version or 0))
 
     async def push_rows(self, key: str, ids: Any, grads: Any) -> int:
         """Push row gradients; duplicate ids are summed first. Returns the highest row version."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvps.errors import InvalidRequest
+from kvps.lifecycle import admission_to_dict, lifecycle_from_dict
 from kvps.placement import row_shards
 
 from ._convert import check_shape, to_host, to_numpy
@@ -17,7 +18,18 @@ from ._rows import RowCache
 if TYPE_CHECKING:
     from ._client import Client
 
-__all__ = ["pull_rows", "push_rows", "set_rows"]
+__all__ = ["pull_rows", "push_rows", "set_rows", "table_lifecycle"]
+
+
+def table_lifecycle(max_rows: int | None, evict: str, ttl_s: float | None, admit: Any,
+                    shards: int) -> dict:
+    """``create_table``'s lifecycle field ({} when every option is the default: rows live
+    forever), checked here so a bad option fails before anything is sent."""
+    if max_rows is None and ttl_s is None and admit is None and evict == "lru":
+        return {}
+    life = {"max_rows": max_rows, "shards": shards, "evict": evict, "ttl_s": ttl_s,
+            "admit": admission_to_dict(admit)}
+    return {"lifecycle": lifecycle_from_dict(life).to_dict()}  # type: ignore[union-attr]
 
 
 async def _table(client: "Client", key: str, instead: str) -> dict:

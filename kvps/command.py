@@ -26,6 +26,7 @@ from kvps import fields as F
 from kvps.errors import InvalidRequest
 from kvps.hyper import check_values
 from kvps.initializer import initializer_from_dict, initializer_to_dict
+from kvps.lifecycle import lifecycle_from_dict
 from kvps.optimizer import optimizer_from_dict, optimizer_to_dict
 from kvps.placement import VALUE_DTYPES, DenseLayout
 
@@ -134,6 +135,7 @@ class CreateTable(_Base):
     optimizer: dict
     init: dict
     merge: str
+    lifecycle: dict | None = None  # kvps.lifecycle: cap, eviction, time-to-live, admission
 
     def __post_init__(self) -> None:
         F.string(self.key, "key", MAX_KEY_CHARS)
@@ -145,10 +147,13 @@ class CreateTable(_Base):
         _set_fields(self, dim=int(self.dim),
                     optimizer=optimizer_to_dict(optimizer_from_dict(self.optimizer)),
                     init=initializer_to_dict(initializer_from_dict(self.init)))
+        life = lifecycle_from_dict(self.lifecycle)
+        _set_fields(self, lifecycle=None if life is None else life.to_dict())
 
     def to_bytes(self) -> bytes:
+        life = {} if self.lifecycle is None else {"lifecycle": self.lifecycle}  # absent: old bytes
         return _encode({"type": "create_table", "key": self.key, "dim": self.dim, "dtype": self.dtype,
-                        "optimizer": self.optimizer, "init": self.init, "merge": self.merge})
+                        "optimizer": self.optimizer, "init": self.init, "merge": self.merge, **life})
 
 
 @dataclass(frozen=True, eq=False)
@@ -466,7 +471,8 @@ def _decode(m: dict, arrays: tuple) -> Any:
     if arrays:
         raise InvalidRequest(f"a {kind!r} command carries no arrays")
     if kind == "create_table":
-        return CreateTable(m["key"], m["dim"], m["dtype"], m["optimizer"], m["init"], m["merge"])
+        return CreateTable(m["key"], m["dim"], m["dtype"], m["optimizer"], m["init"], m["merge"],
+                           m.get("lifecycle"))
     if kind == "delete_key":
         return DeleteKey(m["key"])
     if kind == "barrier":

@@ -166,6 +166,10 @@ class ServerConfig:
     # one address and still stops one address from holding every descriptor (ulimit -n is
     # often 1024-65536 per process).
     max_connections_per_peer: int = 1024
+    # Bytes of embedding-table rows each shard replica may hold (accounted per row: values,
+    # optimizer state, a 48-byte record and index entry); a push past it is refused with
+    # CapacityExceeded, decided in apply so every replica agrees. None: unbounded.
+    memory_limit: int | None = None
 
     def validate(self) -> "ServerConfig":
         _positive(self, "max_request_bytes", "max_raw_bytes", "body_timeout", "batch_bytes",
@@ -177,6 +181,9 @@ class ServerConfig:
         if self.nonfinite not in ("reject", "skip"):
             raise ConfigError("nonfinite must be 'reject' or 'skip'", field="nonfinite")
         _positive(self, "snapshot_hold")
+        if self.memory_limit is not None and (isinstance(self.memory_limit, bool)
+                                              or not isinstance(self.memory_limit, int) or self.memory_limit < 1):
+            raise ConfigError("memory_limit must be a positive int of bytes (or absent)", field="memory_limit")
         if self.snapshot_every < 0 or self.snapshot_keep < 0:
             raise ConfigError("snapshot_every and snapshot_keep must be >= 0", field="snapshot_every")
         return self

@@ -19,7 +19,8 @@
     │   ├── InvalidRequest    malformed request, bad argument, NaN/Inf gradient, ...
     │   │   ├── RequestTooLarge  body over the server's cap (HTTP 413)
     │   │   └── NotDrainable     a metadata node, and no node outside the group to take over (HTTP 409)
-    │   └── PushExpired       a retried push id older than the server's window (it *was* applied)
+    │   ├── PushExpired       a retried push id older than the server's window (it *was* applied)
+    │   └── CapacityExceeded  a push would take a replica's rows past its memory_limit
     ├── CodecError            corrupt or unknown-format payload
     └── ConfigError           invalid configuration (one message per field)
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "CapacityExceeded",
     "CodecError",
     "ConfigError",
     "ConnectError",
@@ -237,6 +239,17 @@ class PushExpired(RejectedError):
                          f"{floor}); it was applied", client=client, seq=seq, floor=floor, **fields)
 
 
+class CapacityExceeded(RejectedError):
+    """A push to ``key`` would take the shard's rows to ``needed`` bytes, past ``limit`` (the
+    server's ``memory_limit``); nothing was changed."""
+
+    http_status = 507
+
+    def __init__(self, key: str, limit: int, needed: int, **fields: Any) -> None:
+        super().__init__(f"a push to {key!r} needs {needed} bytes of rows, past the memory limit "
+                         f"of {limit}", key=key, limit=limit, needed=needed, **fields)
+
+
 class CodecError(KvpsError):
     http_status = 400
 
@@ -250,8 +263,8 @@ _BY_NAME: dict[str, type[KvpsError]] = {
     for cls in (
         KvpsError, RetryableError, Unavailable, ConnectError, Timeout, NotLeader, NoQuorum, Overloaded,
         RejectedError, VersionConflict, VersionNotIssued, KeyNotFound, KeyExists, ShapeMismatch,
-        Unauthorized, Forbidden,
-        InvalidRequest, RequestTooLarge, NotDrainable, PushExpired, CodecError, ConfigError,
+        Unauthorized, Forbidden, InvalidRequest, RequestTooLarge, NotDrainable, PushExpired,
+        CapacityExceeded, CodecError, ConfigError,
     )
 }
 

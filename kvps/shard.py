@@ -45,6 +45,7 @@ from kvps.hyper import HyperTable
 from kvps.merge import PushRequest
 from kvps import validation
 from kvps.table import Table
+from kvps.capacity import capacity_errors, table_lifecycle_info
 
 __all__ = ["ShardState"]
 
@@ -55,8 +56,11 @@ Entry = DenseKey | Table
 
 
 class ShardState:
-    def __init__(self, shard: int, *, session_ttl: float = 3600.0, dedup: bool = True) -> None:
+    def __init__(self, shard: int, *, session_ttl: float = 3600.0, dedup: bool = True,
+                 memory_limit: int | None = None) -> None:
         self.shard = shard
+        # bytes of table rows this replica may hold (None: unbounded); the same on every replica
+        self.memory_limit = memory_limit
         self.session_ttl = float(session_ttl)
         # False is a debug switch (the chaos harness proves it catches double applies): no
         # duplicate check and no results recorded.
@@ -108,7 +112,7 @@ class ShardState:
                        _remember(cmd.key, [(b, blk) for b, blk in sorted(new.items())]))
 
     def _create_table(self, cmd: CreateTable) -> dict:
-        entry = Table(cmd.key, cmd.dim, cmd.dtype, cmd.optimizer, cmd.init, cmd.merge)
+        entry = Table(cmd.key, cmd.dim, cmd.dtype, cmd.optimizer, cmd.init, cmd.merge, cmd.lifecycle)
         if cmd.key not in self._keys:
             self._keys[cmd.key] = entry
             return {"created": True}
@@ -141,7 +145,7 @@ class ShardState:
                                 {"shape": list(cmd.values.shape), "dtype": cmd.values.dtype.name})
         if not bool(np.isfinite(cmd.values).all()):
             raise InvalidRequest("row values contain NaN or Inf", key=cmd.key)
-        table.commit(table.plan_set(cmd.ids, cmd.values))  # type: ignore[union-attr]
+        table.commit(table.plan_set(cmd.ids, cmd.values, self.time))  # type: ignore[union-attr]
         return {"rows": len(cmd.ids)}
 
     def _snapshot_step(self, cmd: SnapshotStep) -> Applied:
@@ -214,12 +218,15 @@ class ShardState:
                                     Unavailable("duplicate in merged entry; retry", client=pid[0], seq=pid[1])
                                     for pid, r in found.items()}}
         bad = validation.push_errors(self._keys, self.shard, cmd)
-        if bad:
+        if bad:  # below: the planned rows past the memory limit are refused the same way
             return {"results": validation.rejected(cmd.pushes, bad)}
         dense = [(self._keys[d.key], d.block, self._keys[d.key].step_block(d.block, d.grad, d.count))
                  for d in cmd.dense]  # type: ignore[union-attr]
-        rows = [(self._keys[r.key], self._keys[r.key].plan(r.ids, r.grads, r.counts))  # type: ignore[union-attr]
+        now = max(self.time, cmd.now)
+        rows = [(self._keys[r.key], self._keys[r.key].plan(r.ids, r.grads, r.counts, now))  # type: ignore[union-attr]
                 for r in cmd.rows]
+        if bad := capacity_errors(self._keys, rows, self.memory_limit):
+            return {"results": validation.rejected(cmd.pushes, bad)}
         for entry, b, block in dense:  # commit: nothing below can fail on bad input
             entry.blocks[b] = block
         for table, update in rows:
@@ -298,7 +305,8 @@ class ShardState:
         if isinstance(entry, DenseKey):
             return {**info, "shape": list(entry.layout.shape), "block_rows": entry.layout.block_rows,
                     "blocks": sorted(entry.blocks)}
-        return {**info, "dim": entry.dim, "init": entry.init_dict, "rows": entry.n}
+        return {**info, "dim": entry.dim, "init": entry.init_dict, "rows": entry.n,
+                "bytes": entry.nbytes(), **table_lifecycle_info(entry)}
 
     def keys(self) -> list[dict]:
         return [self.describe(k) for k in sorted(self._keys)]  # type: ignore[misc]
@@ -327,21 +335,14 @@ class ShardState:
         return table.read(ids.astype(np.int64))
 
     def stored_rows(self, key: str) -> tuple[np.ndarray, np.ndarray]:
-        """(ids sorted, values) of every row of table ``key`` that has been written (copies)."""
-        table: Table = self._entry(key, "table")  # type: ignore[assignment]
-        order = np.argsort(table.ids[:table.n], kind="stable")
-        return table.ids[order], table.values[order]
+        """(ids sorted, values) of every row of table ``key`` that is stored (copies)."""
+        return self._entry(key, "table").stored()  # type: ignore[union-attr]
 
     def row_versions(self, key: str, ids: np.ndarray) -> np.ndarray:
-        """(n,) int64 versions of rows ``ids`` (0 for untouched rows), without reading values."""
-        table: Table = self._entry(key, "table")  # type: ignore[assignment]
+        """(n,) int64 versions of rows ``ids`` (rows not stored: the table's floor), no values read."""
         if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu" or ids.ndim != 1:
             raise InvalidRequest("row ids must be a 1-d integer array", key=key)
-        slots = table.slots_of(ids.astype(np.int64))
-        out = np.zeros(len(slots), dtype=np.int64)
-        stored = slots >= 0
-        out[stored] = table.versions[slots[stored]]
-        return out
+        return self._entry(key, "table").versions_of(ids.astype(np.int64))  # type: ignore[union-attr]
 
     def clocks(self, job: str, now: float) -> dict[str, int]:
         """The live worker clocks of ``job`` at ``now`` (the reader's time)."""
@@ -408,22 +409,23 @@ class ShardState:
 
     @classmethod
     def restore(cls, data: bytes, *, session_ttl: float | None = None, dedup: bool | None = None,
-                max_raw_bytes: int = DEFAULT_MAX_SNAPSHOT_BYTES) -> "ShardState":
+                max_raw_bytes: int = DEFAULT_MAX_SNAPSHOT_BYTES, memory_limit: int | None = None) -> "ShardState":
         """The state ``snapshot()`` wrote (``CodecError`` on anything else). ``session_ttl`` and
         ``dedup`` default to the snapshot's."""
         f = frame.decode(data, max_raw_bytes=max_raw_bytes, kinds=(frame.KIND_SNAPSHOT,))
-        try:
-            return cls._from_frame(f, session_ttl, dedup)
+        try:  # memory_limit is configuration, not state: never in the snapshot
+            return cls._from_frame(f, session_ttl, dedup, memory_limit)
         except (KvpsError, KeyError, TypeError, ValueError, IndexError) as exc:
             raise CodecError(f"corrupt snapshot: {exc!r}") from exc
 
     @classmethod
-    def _from_frame(cls, f: frame.Frame, session_ttl: float | None, dedup: bool | None) -> "ShardState":
+    def _from_frame(cls, f: frame.Frame, session_ttl: float | None, dedup: bool | None,
+                    memory_limit: int | None = None) -> "ShardState":
         m = f.meta
         if m["format"] != SNAPSHOT_FORMAT:
             raise ValueError(f"unknown snapshot format {m['format']!r}")
         state = cls(int(m["shard"]), session_ttl=m["session_ttl"] if session_ttl is None else session_ttl,
-                    dedup=bool(m["dedup"]) if dedup is None else dedup)
+                    dedup=bool(m["dedup"]) if dedup is None else dedup, memory_limit=memory_limit)
         arrays = list(f.arrays)
         at = 0
         for meta in m["keys"]:

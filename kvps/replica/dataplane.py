@@ -306,7 +306,7 @@ async def _create_table(replica: Replica, req: frame.Frame):
     m = req.meta
     cmd = CreateTable(key=rq.key(m), dim=rq.field(m, "dim", int), dtype=rq.field(m, "dtype", str),
                       optimizer=rq.field(m, "optimizer", dict), init=rq.field(m, "init", dict),
-                      merge=rq.field(m, "merge", str, "sum"))
+                      merge=rq.field(m, "merge", str, "sum"), lifecycle=m.get("lifecycle"))
     return await replica.write(cmd), ()
 
 

@@ -48,6 +48,11 @@ class ReplicaMetrics:
                                 labels, registry=r)
         self.in_flight_bytes = Gauge("kvps_in_flight_bytes", "Push bytes accepted but not yet committed",
                                      labels, registry=r)
+        # tables are few (created by hand), so their names may be labels, unlike hot keys
+        self.table_rows = Gauge("kvps_table_rows", "Rows a table stores on this replica",
+                                (*labels, "table"), registry=r)
+        self.table_bytes = Gauge("kvps_table_bytes", "Accounted bytes of a table's rows on this replica "
+                                 "(what server.memory_limit bounds)", (*labels, "table"), registry=r)
 
     def child(self, metric, **extra: str):
         return metric.labels(**self._values, **extra)

@@ -70,7 +70,8 @@ class Replica:
         self._data_urls = {n.raft_address(shard): n.data_url(shard) for n in cfg.nodes}
         server = cfg.server
         self.host = StateHost(
-            ShardState(shard, session_ttl=server.session_ttl, dedup=not server.unsafe_disable_dedup),
+            ShardState(shard, session_ttl=server.session_ttl, dedup=not server.unsafe_disable_dedup,
+                       memory_limit=server.memory_limit),
             history=lambda: BlockHistory(depth=server.delta_depth, max_bytes=server.delta_history_bytes),
             perform=self._perform)
         # the time this replica stamps into commands as leader and judges leases by (kvps.clocks)
@@ -162,7 +163,7 @@ class Replica:
         return functools.partial(frame.encode_parts, frame.KIND_SNAPSHOT, meta, arrays)
 
     def _restore_state(self, data: bytes) -> None:
-        state = ShardState.restore(data)
+        state = ShardState.restore(data, memory_limit=self.cfg.server.memory_limit)
         self.host.replace(state)
         self.cluster_time.applied(state.time)
 
@@ -383,8 +384,10 @@ class Replica:
     def expose_metrics(self) -> bytes:
         st = self.group.status()
         serving = st["role"] == "leader" and self.leadership.serving(st["term"])
+        tables = self.host.lookup(lambda s: [(i["key"], i["rows"], i["bytes"]) for i in s.keys()
+                                             if i["kind"] == "table"])
         return self.stats.expose(self.group, st, serving=serving,
-                                 in_flight_bytes=self.batcher.accepted_bytes)
+                                 in_flight_bytes=self.batcher.accepted_bytes, tables=tables)
 
     def _node_of(self, address: str | None) -> int | None:
         if address is None:

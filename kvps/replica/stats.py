@@ -103,9 +103,16 @@ class ReplicaStats:
                          "lag_seconds": seconds}
         return out
 
-    def expose(self, group: Any, st: dict[str, Any], *, serving: bool, in_flight_bytes: int) -> bytes:
-        """The replica's Prometheus exposition, with the Raft state ``st`` of ``group``."""
+    def expose(self, group: Any, st: dict[str, Any], *, serving: bool, in_flight_bytes: int,
+               tables: list[tuple[str, int, int]] | tuple = ()) -> bytes:
+        """The replica's Prometheus exposition, with the Raft state ``st`` of ``group`` and the
+        ``(key, rows, bytes)`` of each table on this replica."""
         m = self.metrics
+        m.table_rows.clear()  # a deleted table's series go away
+        m.table_bytes.clear()
+        for key, rows, nbytes in tables:
+            m.child(m.table_rows, table=key).set(rows)
+            m.child(m.table_bytes, table=key).set(nbytes)
         m.child(m.term).set(st["term"])
         m.child(m.is_leader).set(1 if serving else 0)
         m.child(m.commit_index).set(st["commit_index"])

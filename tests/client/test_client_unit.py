@@ -9,7 +9,7 @@ import pytest
 
 import kvps_client as kc
 from kvps.delta import frame
-from kvps.errors import NotLeader, Overloaded, Unauthorized
+from kvps.errors import InvalidRequest, NotLeader, Overloaded, Unauthorized
 
 URLS = ["http://r0", "http://r1", "http://r2"]
 CLUSTER = {
@@ -443,3 +443,35 @@ def test_a_version_no_shard_issued_is_refused():
         follower_read(fake, lambda ps: ps.pull_rows("t", [2, 4], consistency="follower", min_version=9))
     assert (err.value.key, err.value.min_version, err.value.latest) == ("t", 9, 7)
     assert kc.VersionNotIssued.__name__ in kc.__all__
+
+
+def test_create_table_sends_the_lifecycle_and_capacity_errors_arrive_typed():
+    """The lifecycle options travel to every shard, checked before anything is sent; a
+    CapacityExceeded from the server is a typed, non-retried RejectedError with its fields."""
+    sent: list[dict] = []
+
+    async def handler(method, url, body, headers):
+        if url.endswith("/v1/cluster"):
+            return 200, json.dumps(CLUSTER).encode()
+        meta = frame.decode(body).meta
+        if url.endswith("/create_table"):
+            sent.append(meta)
+            return 200, frame.encode(frame.KIND_RESPONSE, {"created": True})
+        err = kc.CapacityExceeded("e", 100, 200)
+        return err.http_status, json.dumps(err.to_dict()).encode()
+
+    async def main():
+        async with make(handler) as ps:
+            with pytest.raises(InvalidRequest):
+                await ps.create_table("e", 2, max_rows=0)
+            await ps.create_table("e", 2, max_rows=10, evict="lfu", ttl_s=5, admit=kc.CountAdmission(2))
+            await ps.create_table("plain", 2)
+            with pytest.raises(kc.CapacityExceeded) as caught:
+                await ps.call(0, "push", {})
+            return caught.value
+
+    err = asyncio.run(main())
+    n = CLUSTER["cluster"]["shards"]
+    lifecycle = {"max_rows": 10, "shards": n, "evict": "lfu", "ttl_s": 5.0, "admit": {"name": "count", "min_count": 2}}
+    assert [m.get("lifecycle") for m in sent] == [lifecycle] * n + [None] * n
+    assert isinstance(err, kc.RejectedError) and (err.key, err.limit, err.needed) == ("e", 100, 200)

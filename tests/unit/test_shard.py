@@ -283,7 +283,7 @@ def test_describe_and_keys():
     s = _state()
     assert s.describe("w") == {"key": "w", "kind": "dense", "dtype": "float32", "shape": [5, 2], "block_rows": 2,
                                "blocks": [0, 2], "merge": "sum", "optimizer": ADD, "version": 0}
-    assert s.describe("e") == {"key": "e", "kind": "table", "dtype": "float32", "dim": 3, "rows": 0,
+    assert s.describe("e") == {"key": "e", "kind": "table", "dtype": "float32", "dim": 3, "rows": 0, "bytes": 0,
                                "merge": "sum", "optimizer": ADD, "version": 0,
                                "init": {"name": "normal", "mean": 0.0, "std": 0.1, "seed": 3}}
     assert [k["key"] for k in s.keys()] == ["e", "w"] and s.describe("x") is None
@@ -351,7 +351,14 @@ def decode_command_bytes():
 
 # ---- determinism: same log => same bytes ----------------------------------------------------------
 
-def _random_log(seed: int, n: int = 300) -> list[bytes]:
+# lifecycles for e0..e3 in the eviction variant: caps with LRU and LFU, a time-to-live, admissions
+LIFECYCLES = ({"max_rows": 9, "shards": 2, "evict": "lru", "ttl_s": 40.0},
+              {"max_rows": 6, "evict": "lfu", "admit": {"name": "count", "min_count": 2}},
+              {"ttl_s": 15.0, "admit": {"name": "probability", "p": 0.6, "seed": 5}},
+              {"max_rows": 8, "evict": "lru"})
+
+
+def _random_log(seed: int, n: int = 300, lifecycles: tuple = (None,) * 4) -> list[bytes]:
     rng = np.random.default_rng(seed)
     opts = [{"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True}, {"name": "adam", "lr": 0.01},
             {"name": "adagrad", "lr_decay": 0.01}, ADD]
@@ -360,7 +367,8 @@ def _random_log(seed: int, n: int = 300) -> list[bytes]:
         value = rng.standard_normal((7, 3)).astype(np.float32)
         log.append(CreateKey(f"w{i}", (7, 3), "float32", 3, opt, "sum" if i % 2 else "mean",
                              ((0, value[0:3]), (2, value[6:7]))).to_bytes())
-        log.append(CreateTable(f"e{i}", 4, "float32", opt, {"name": "normal", "seed": i}, "mean").to_bytes())
+        log.append(CreateTable(f"e{i}", 4, "float32", opt, {"name": "normal", "seed": i}, "mean",
+                               lifecycles[i]).to_bytes())
     seqs = {c: 0 for c in "abcd"}
     for _ in range(n):
         roll = rng.random()
@@ -389,8 +397,9 @@ def _random_log(seed: int, n: int = 300) -> list[bytes]:
     return log
 
 
-def test_same_log_gives_identical_snapshots_also_after_restore():
-    log = _random_log(seed=42)
+@pytest.mark.parametrize("evicting", [False, True], ids=["rows-kept", "rows-evicted"])
+def test_same_log_gives_identical_snapshots_also_after_restore(evicting):
+    log = _random_log(seed=42, lifecycles=LIFECYCLES if evicting else (None,) * 4)
     a, b = ShardState(3), ShardState(3)
     half = len(log) // 2
     for data in log[:half]:
@@ -404,7 +413,9 @@ def test_same_log_gives_identical_snapshots_also_after_restore():
         assert repr(ra) == repr(rc)
     assert a.snapshot() == b.snapshot() == c.snapshot()
     assert a.state_hash() == c.state_hash()
-    assert a.describe("e0")["rows"] > 10 and a.describe("w0")["version"] > 50  # the log did real work
+    assert a.describe("e1" if evicting else "e0")["rows"] > 5 and a.describe("w0")["version"] > 50  # real work
+    if evicting:  # rows were evicted (floors moved), some ids still wait for admission
+        assert all(a.describe(f"e{i}")["floor"] > 0 for i in range(4)) and a.describe("e1")["pending"] > 0
     assert any("hyperparams" in a.describe(k) for k in ("w0", "w1", "w2", "e0", "e1", "e2"))
 
 

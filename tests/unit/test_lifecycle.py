@@ -1,0 +1,177 @@
+"""Row lifecycle and memory limits of tables (kvps.lifecycle, kvps.rows, kvps.capacity): the hash
+index against a dict, capacity refusals that change nothing, snapshots that keep the lifecycle
+state, a stream of many distinct ids that keeps a table at its cap, and the options' checks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvps_client as kc
+from kvps.command import CreateTable, Push, PushId, RowDelta, decode_command
+from kvps.errors import CapacityExceeded, InvalidRequest, Unavailable
+from kvps.lifecycle import least, lifecycle_from_dict
+from kvps.rows import RowIndex
+from kvps.shard import ShardState
+
+ADD = {"name": "add"}
+ZEROS = {"name": "zeros"}
+
+
+def _push(s: ShardState, seq: int, ids, now: float = 1.0, key: str = "e", dim: int = 2, client: str = "c"):
+    ids = np.asarray(ids, np.int64)
+    cmd = Push(now, (PushId(client, seq, seq, (key,)),), (),
+               (RowDelta(key, ids, np.ones((len(ids), dim)), np.ones(len(ids), np.int64)),))
+    return s.apply(decode_command(cmd.to_bytes())).result["results"][(client, seq)]
+
+
+def _table(life: dict | None, memory_limit: int | None = None, dim: int = 2) -> ShardState:
+    s = ShardState(0, memory_limit=memory_limit)
+    assert s.apply(CreateTable("e", dim, "float64", ADD, ZEROS, "sum", life)).result == {"created": True}
+    return s
+
+
+def test_row_index_agrees_with_a_dict_through_inserts_removals_and_moves():
+    rng = np.random.default_rng(0)
+    keys = np.zeros(5000, np.int64)
+    index, model, n = RowIndex(), {}, 0
+    for _ in range(60):
+        fresh = np.unique(rng.integers(-10**12, 10**12, int(rng.integers(1, 120))))
+        fresh = fresh[[int(i) not in model for i in fresh]]
+        slots = np.arange(n, n + len(fresh))
+        keys[slots] = fresh
+        index.insert(fresh, slots, keys)
+        model.update(zip(fresh.tolist(), slots.tolist()))
+        n += len(fresh)
+        if model and rng.random() < 0.5:  # remove some, moving the last slot into each hole
+            for i in rng.choice(list(model), size=min(len(model), 5), replace=False).tolist():
+                slot = model.pop(i)
+                _, where = index.find(np.array([i]), keys)
+                index.remove(where)
+                n -= 1
+                if slot != n:
+                    moved = int(keys[n])
+                    _, at = index.find(np.array([moved]), keys)
+                    keys[slot] = moved
+                    index.move(at, np.array([slot]))
+                    model[moved] = slot
+        probe = np.concatenate([np.array(list(model), np.int64), rng.integers(-10**12, 10**12, 50)])
+        got, _ = index.find(probe, keys)
+        assert got.tolist() == [model.get(i, -1) for i in probe.tolist()]
+    assert index.live == len(model)
+
+
+def test_least_is_the_lexicographic_order():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        n = int(rng.integers(1, 40))
+        a, b, ids = rng.integers(0, 3, n), rng.integers(0, 3, n).astype(float), rng.permutation(n) - 5
+        k = int(rng.integers(0, n + 1))
+        want = sorted(sorted(range(n), key=lambda i: (a[i], b[i], ids[i]))[:k])
+        assert least([a, b, ids], k).tolist() == want
+        after = rng.random(n) < 0.3  # flagged entries (rows of the push) go last, in their own order
+        want = sorted(sorted(range(n), key=lambda i: (after[i], a[i], b[i], ids[i]))[:k])
+        assert least([a, b, ids], k, after).tolist() == want
+
+
+def test_capacity_exceeded_changes_nothing_and_is_typed():
+    s = _table(None, memory_limit=10 * (16 + 48))  # 10 rows of dim 2 float64, Add (no state)
+    assert "versions" in _push(s, 1, range(10))
+    before = s.state_hash()
+    err = _push(s, 2, [5, 10, 11])  # two new rows: past the limit
+    assert isinstance(err, CapacityExceeded) and isinstance(err, kc.RejectedError)
+    assert err.key == "e" and err.limit == 640 and err.needed == 12 * 64
+    assert s.state_hash() == before and s.describe("e")["rows"] == 10
+    assert "versions" in _push(s, 3, [0, 9])  # existing rows still train
+    assert kc.CapacityExceeded is CapacityExceeded
+
+
+def test_capacity_exceeded_blames_the_growing_push_of_a_merged_entry():
+    s = _table(None, memory_limit=3 * 64)
+    s.apply(CreateTable("f", 2, "float64", ADD, ZEROS, "sum"))
+    assert "versions" in _push(s, 1, [1, 2])
+    cmd = Push(1.0, (PushId("a", 1, 1, ("e",)), PushId("b", 1, 1, ("f",))), (),
+               (RowDelta("e", np.array([1], np.int64), np.ones((1, 2)), np.ones(1, np.int64)),
+                RowDelta("f", np.array([7, 8], np.int64), np.ones((2, 2)), np.ones(2, np.int64))))
+    before = s.state_hash()
+    got = s.apply(cmd).result["results"]
+    assert isinstance(got[("b", 1)], CapacityExceeded) and isinstance(got[("a", 1)], Unavailable)
+    assert s.state_hash() == before
+
+
+def test_a_capped_table_under_a_limit_never_refuses():
+    s = _table({"max_rows": 8, "shards": 2}, memory_limit=4 * 64)  # 4 rows per shard fit exactly
+    for q in range(1, 30):
+        assert "versions" in _push(s, q, [3 * q, 3 * q + 1], now=float(q))
+    assert s.describe("e")["rows"] == 4 and s.describe("e")["bytes"] == 4 * 64
+
+
+def test_snapshot_restore_keeps_counts_times_pending_and_floor():
+    life = {"max_rows": 3, "evict": "lfu", "ttl_s": 5.0, "admit": {"name": "count", "min_count": 2}}
+    s = _table(life)
+    for q, (ids, now) in enumerate([([1, 2, 3], 1.0), ([1, 2, 3, 4], 2.0), ([1, 5], 3.0), ([4, 6, 7], 4.0),
+                                    ([4, 6], 4.5)], 1):
+        _push(s, q, ids, now=now)
+    info = s.describe("e")
+    assert info["rows"] == 3 and info["pending"] >= 1 and info["floor"] > 0
+    c = ShardState.restore(s.snapshot())
+    assert c.snapshot() == s.snapshot() and c.describe("e") == info
+    t, u = s._keys["e"], c._keys["e"]
+    for name in ("ids", "count", "last", "versions"):
+        assert getattr(t, name)[:t.n].tolist() == getattr(u, name)[:u.n].tolist()
+    for q, ids in enumerate([[5], [5, 8], [1, 9], [2, 3, 4]], 10):  # both go on identically
+        assert repr(_push(s, q, ids, now=float(q))) == repr(_push(c, q, ids, now=float(q)))
+        assert s.snapshot() == c.snapshot()
+
+
+def test_ten_times_max_rows_distinct_ids_keep_the_table_at_its_cap():
+    cap = 1000
+    s = _table({"max_rows": cap, "shards": 1, "evict": "lru"}, dim=4)
+    versions_seen: dict[int, int] = {}
+    for q in range(100):  # 10 x cap distinct ids, 100 per push
+        ids = np.arange(q * 100, (q + 1) * 100)
+        _push(s, q + 1, ids, now=float(q), dim=4)
+        assert s.describe("e")["rows"] == min(cap, (q + 1) * 100)
+        _, v = s.read_rows("e", np.array([0]))
+        versions_seen[q] = int(v[0])
+    values, versions = s.read_rows("e", np.array([0, 8999, 9000, 9999]))
+    assert values[:2].tolist() == [[0.0] * 4] * 2 and values[2:].tolist() == [[1.0] * 4] * 2  # LRU kept the newest
+    vs = list(versions_seen.values())
+    assert vs == sorted(vs) and vs[-1] > vs[0]  # the evicted row 0 reads at a version that moved forward
+    assert len(s._keys["e"].ids) <= cap + cap // 4  # arrays never grew far past the cap
+
+
+def test_probability_admission_is_a_pure_function_of_seed_and_id():
+    life = {"admit": {"name": "probability", "p": 0.25, "seed": 9}}
+    a, b = _table(life), _table(life)
+    _push(a, 1, range(400))
+    _push(b, 1, range(200))
+    _push(b, 2, range(200, 400))  # other batches, same ids admitted
+    ids = np.arange(400)
+    assert 60 < a.describe("e")["rows"] < 140 and a.describe("e")["rows"] == b.describe("e")["rows"]
+    assert np.array_equal(a.read_rows("e", ids)[0], b.read_rows("e", ids)[0])
+    assert np.array_equal(a.read_rows("e", ids)[0][:, 0] == 1.0, kc.ProbabilityAdmission(0.25, 9).admitted(ids))
+
+
+def test_options_are_checked():
+    assert lifecycle_from_dict(None) is None
+    assert lifecycle_from_dict({"max_rows": 10, "shards": 3}).cap == 4
+    for bad in ({"max_rows": 0}, {"evict": "fifo"}, {"ttl_s": -1.0}, {"admit": {"name": "never"}},
+                {"admit": {"name": "count", "min_count": 0}}, {"admit": {"name": "probability", "p": 2}},
+                {"other": 1}):
+        with pytest.raises(InvalidRequest):
+            lifecycle_from_dict(bad)
+    with pytest.raises(InvalidRequest):
+        kc.CountAdmission(0)
+    with pytest.raises(InvalidRequest):
+        kc.ProbabilityAdmission(1.5, 0)
+    old = CreateTable("e", 2, "float64", ADD, ZEROS, "sum")
+    assert b"lifecycle" not in old.to_bytes()  # tables without one keep their log bytes
+    new = CreateTable("e", 2, "float64", ADD, ZEROS, "sum", {"max_rows": 5})
+    assert decode_command(new.to_bytes()) == new
+
+
+def test_same_definition_again_is_a_noop_and_another_lifecycle_is_key_exists():
+    s = _table({"max_rows": 5})
+    assert s.apply(CreateTable("e", 2, "float64", ADD, ZEROS, "sum", {"max_rows": 5})).result == {"created": False}
+    err = s.apply(CreateTable("e", 2, "float64", ADD, ZEROS, "sum", {"max_rows": 6})).result
+    assert type(err).__name__ == "KeyExists"
