@@ -217,16 +217,9 @@ class Client:
         return self._infos[key]
 
     async def keys(self) -> list[dict]:
-        resps = await self.sender.fan_out([self.call(s, "keys", {}) for s in range(self.cluster_map.shards)])
-        merged: dict[str, dict] = {}
-        for resp in resps:
-            for info in resp.meta["keys"]:
-                have = merged.setdefault(info["key"], info)  # the first shard's info as it is
-                if info.get("kind") == "dense" and have is not info:
-                    have["blocks"] = sorted(set(have.get("blocks", [])) | set(info.get("blocks", [])))
-                elif info.get("kind") == "table" and have is not info:  # counts summed over shards
-                    have.update({f: have.get(f, 0) + info[f] for f in ("rows", "bytes", "pending") if f in info})
-        return [merged[k] for k in sorted(merged)]
+        """Every key's info, the shards' answers merged (``_transfer.merge_key_infos``)."""
+        shards = range(self.cluster_map.shards)
+        return _transfer.merge_key_infos(await self.sender.fan_out([self.call(s, "keys", {}) for s in shards]))
 
     async def _layout(self, key: str) -> tuple[dict, DenseLayout]:
         info = await self.describe(key)

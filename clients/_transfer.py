@@ -14,7 +14,7 @@ from ._convert import to_host, to_numpy
 if TYPE_CHECKING:
     from ._client import Client
 
-__all__ = ["load_state_dict", "state_dict", "stored_rows"]
+__all__ = ["load_state_dict", "merge_key_infos", "state_dict", "stored_rows"]
 
 
 async def stored_rows(client: "Client", key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -69,3 +69,17 @@ async def load_state_dict(client: "Client", state: Mapping[str, Any], *, optimiz
             await client.create(key, arr, optimizer=optimizer)
         written.append(key)
     return written
+
+
+def merge_key_infos(resps: list) -> list[dict]:
+    """The ``keys`` replies of every shard as one list sorted by key: a dense key's blocks
+    gathered, a table's row, byte and pending-admission counts summed over its shards."""
+    merged: dict[str, dict] = {}
+    for resp in resps:
+        for info in resp.meta["keys"]:
+            have = merged.setdefault(info["key"], info)  # the first shard's info as it is
+            if info.get("kind") == "dense" and have is not info:
+                have["blocks"] = sorted(set(have.get("blocks", [])) | set(info.get("blocks", [])))
+            elif info.get("kind") == "table" and have is not info:
+                have.update({f: have.get(f, 0) + info[f] for f in ("rows", "bytes", "pending") if f in info})
+    return [merged[k] for k in sorted(merged)]
