@@ -19,7 +19,7 @@ from typing import Any
 from kvps.bench import limits, raw
 from kvps.bench.harness import process_cpu_seconds, run_workers, summarize
 from kvps.bench.plan import Plan
-from kvps.bench.progress import Progress
+from kvps.bench.progress import Progress, say
 
 __all__ = ["run_suite"]
 
@@ -172,6 +172,9 @@ def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dict
                          raft=RaftConfig(fsync=plan.kvps_fsync)) as cluster:
         with progress.phase("start kvps"):
             cluster.start(timeout=120)
+            # the leaders first spread over the nodes (transfers: not elections under load)
+            if not cluster.wait_leaders_spread(30.0):
+                say("kvps: leaders not spread within 30 s; measuring anyway")
         sessions = lambda: {p.pid for p in cluster.procs.values()}
         cpu = lambda: process_cpu_seconds(lambda pid, _pp, sid: sid in sessions())
         if "b1" in sections:

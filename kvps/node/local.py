@@ -219,6 +219,23 @@ class LocalCluster:
     def wait_ready(self, timeout: float = 60.0) -> None:
         wait_until(self.ready, timeout, "every shard to have a serving leader", period=0.1)
 
+    def leaders_spread(self) -> bool:
+        """Every shard has a leader and every node leads shards/nodes ±1 (kvps.node.leaders)."""
+        cmap = self.cluster_map()
+        if cmap is None or any(s["leader"] is None for s in cmap["shards"]):
+            return False
+        led = [sum(1 for s in cmap["shards"] if s["leader"] == n["id"]) for n in cmap["nodes"]]
+        return max(led) - min(led) <= 1
+
+    def wait_leaders_spread(self, timeout: float = 30.0) -> bool:
+        """Wait until ``leaders_spread()`` (False if it did not happen within ``timeout``): a
+        measurement started before would count the spreading transfers as elections."""
+        try:
+            wait_until(self.leaders_spread, timeout, "the leaders to spread over the nodes", period=0.2)
+        except TimeoutError:
+            return False
+        return True
+
     def leader(self, shard: int) -> dict[str, Any] | None:
         cmap = self.cluster_map()
         if cmap is None:
