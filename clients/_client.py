@@ -25,7 +25,7 @@ import numpy as np
 
 from kvps.delta import frame
 from kvps.delta.xor import apply_xor
-from kvps.errors import CodecError, InvalidRequest, KvpsError, Unavailable, VersionNotIssued
+from kvps.errors import CodecError, InvalidRequest, KvpsError, RejectedError, Unavailable, VersionNotIssued
 from kvps.initializer import Zeros, initializer_to_dict
 from kvps.optimizer import Add, clipped, optimizer_to_dict
 from kvps.placement import DenseLayout, block_shard, layout_for
@@ -125,7 +125,8 @@ class Client:
         return self._map
 
     async def refresh_map(self) -> ClusterMap:
-        """Fetch ``/v1/cluster`` from the first endpoint that answers."""
+        """Fetch ``/v1/cluster`` from the first endpoint that answers; a refusal (a bad token:
+        ``Unauthorized``, ``Forbidden``) is raised as itself."""
         last: KvpsError | None = None
         known = [u for u in (self._map.admin_urls if self._map is not None else [])
                  if u not in self.endpoints]
@@ -140,6 +141,8 @@ class Client:
                 last = error_from_response(status, body)
             except (KvpsError, ValueError) as exc:
                 last = exc if isinstance(exc, KvpsError) else Unavailable(str(exc))
+        if isinstance(last, RejectedError):
+            raise last
         raise Unavailable(f"no endpoint answered with a cluster map: {last}")
 
     def _deltas_for(self, shard: int) -> bool:

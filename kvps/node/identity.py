@@ -46,7 +46,7 @@ __all__ = ["IDENTITY", "Identity", "add_routes", "decide", "known_incarnations",
 log = logging.getLogger("kvps.node")
 
 IDENTITY = "identity.json"
-ASK_PERIOD = 0.5        # between rounds of asking the other nodes
+ASK_PERIOD = 0.2        # between rounds of asking the other nodes
 KNOWN_WAIT = 3.0        # a node with an identity waits at most this long for answers
 
 

@@ -151,6 +151,8 @@ class LocalCluster:
             self.start_node(node.id)
         if wait:
             self.wait_ready(timeout)
+            wait_until(self.fully_up, timeout, "every replica up and every node's identity recorded",
+                       period=0.1)
         return self
 
     def start_node(self, node_id: int, *, replace: bool = False) -> None:
@@ -215,6 +217,21 @@ class LocalCluster:
             if leader is None or not leader.get("serving"):
                 return False
         return True
+
+    def fully_up(self) -> bool:
+        """Every replica of every shard answers as leader or follower, and the metadata group has
+        recorded every node's incarnation (kvps.node.identity): what a freshly started cluster
+        reaches a moment after ``ready()``, before which a test's snapshot or fingerprint would
+        miss a replica or see the metadata change."""
+        cmap = self.cluster_map()
+        if cmap is None or not all(r.get("role") in ("leader", "follower")
+                                   for s in cmap["shards"] for r in s["replicas"]):
+            return False
+        try:
+            meta = self.admin("GET", "/v1/meta", timeout=1.0)
+        except KvpsError:
+            return False
+        return all(n.get("incarnation") for n in meta["nodes"] if n.get("state") != "removed")
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         wait_until(self.ready, timeout, "every shard to have a serving leader", period=0.1)

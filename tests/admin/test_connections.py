@@ -22,7 +22,9 @@ from kvps.config import ServerConfig
 
 pytestmark = pytest.mark.cluster
 
-CAP, HOSTILE, IDLE = 100, 300, 1.5
+# IDLE: long enough that no held connection idles out while the 300 are still being opened on a
+# loaded machine (then it would be counted closed, not refused)
+CAP, HOSTILE, IDLE = 100, 300, 4.0
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +91,8 @@ def test_idle_connections_are_capped_per_peer_and_closed_when_idle(cluster, serv
         # everything over the cap is answered 429 Overloaded and closed at once
         wait_for(lambda: sum(closed_by_server(s, got) for s in socks) >= HOSTILE - CAP, 10,
                  f"{HOSTILE - CAP} connections over the cap refused")
-        assert metric(cluster, "kvps_connections_refused_total", server) - refused0 >= HOSTILE - CAP
+        wait_for(lambda: metric(cluster, "kvps_connections_refused_total", server) - refused0 >= HOSTILE - CAP,
+                 10, "the refusals counted")
         refusals = [d for d in got.values() if d]
         assert refusals and all(d.startswith(b"HTTP/1.1 429 ") and b'"Overloaded"' in d for d in refusals)
         assert fds(pid) - fds0 <= CAP + 10  # the held ones, and a few of the server's own

@@ -324,6 +324,7 @@ def test_restore_on_a_replica_that_joined_after_the_snapshot(cluster_factory):
                 await ps.create("join/w", np.zeros(4096, np.float32), optimizer=kc.Add())
             await ps.push({"join/w": np.ones(4096, np.float32)})
     run(put(1.0))
+    wait_for(lambda: hashes_agree(c, 1), 60, "every replica to hold the key before the cut")
     status, snap = api(c, "POST", "/v1/snapshots", {"label": "before-join"})
     assert status == 201
     for _ in range(8):  # enough for the leaders to compact their logs past the cut
