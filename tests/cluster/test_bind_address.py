@@ -62,8 +62,9 @@ def test_nodes_listen_on_bind_and_are_reached_at_host(tmp_path):
             async def train() -> float:
                 async with kc.Client(cluster.endpoints, cluster.token, seed=0) as ps:
                     await ps.create("bind/w", np.zeros(4, np.float32), optimizer=kc.Add())
-                    await ps.push({"bind/w": np.ones(4, np.float32)})
-                    return float((await ps.pull(["bind/w"], consistency="follower"))["bind/w"][0])
+                    version = (await ps.push({"bind/w": np.ones(4, np.float32)}))["bind/w"]
+                    pulled = await ps.pull(["bind/w"], consistency="follower", min_version=version)
+                    return float(pulled["bind/w"][0])
             assert asyncio.run(train()) == 1.0
             assert {n["admin_url"] for n in cluster.cluster_map()["nodes"]} == \
                 {f"http://{topo.address(n)}:{cluster.cfg.node(n).admin_port}" for n in range(3)}
