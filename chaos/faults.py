@@ -200,9 +200,13 @@ async def _wipe_replica(ctx: FaultContext, rec: FaultRecord) -> None:
     lead = await ctx.leader(rec.shard)
     followers = [n for n in cluster.cfg.replica_nodes(rec.shard) if n != lead["node"]]
     rec.node = followers[int(pick * len(followers))]
-    victim, node_pid = cluster.replica(rec.shard, rec.node) or {}, cluster.node_pid(rec.node)
-    if not victim.get("pid") or node_pid is None:
-        raise RuntimeError(f"replica of shard {rec.shard} on node {rec.node} is not running")
+    def running() -> tuple[dict, int] | None:  # a replica restarted by the last fault comes up
+        victim, node_pid = cluster.replica(rec.shard, rec.node) or {}, cluster.node_pid(rec.node)
+        return (victim, node_pid) if victim.get("pid") and node_pid is not None else None
+    try:
+        victim, node_pid = await asyncio.to_thread(wait_until, running, 20, "the replica to run", 0.1)
+    except TimeoutError:
+        raise RuntimeError(f"replica of shard {rec.shard} on node {rec.node} is not running") from None
     rec.injected()
     os.kill(node_pid, signal.SIGSTOP)
     try:
