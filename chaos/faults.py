@@ -263,6 +263,49 @@ async def _membership(ctx: FaultContext, rec: FaultRecord) -> None:
         await asyncio.to_thread(cluster.release_node, node_id)
 
 
+async def _lose_node(ctx: FaultContext, rec: FaultRecord) -> None:
+    """A host lost for good: a node joins (its own namespace in namespace mode) and replicas spread
+    onto it; then its processes are killed, its data wiped and its namespace removed, and it never
+    comes back. After ``server.node_dead_after`` the metadata leader declares it dead, its replicas
+    are re-created on the initial nodes (each dead member removed from its group first) and it is
+    removed (``kvps/node/liveness.py``). Healed once the placement is back on the initial nodes."""
+    cluster = ctx.cluster
+    initial = [n.id for n in cluster.cfg.nodes]
+    view = await asyncio.to_thread(elastic.meta, cluster)
+    if view is None:
+        raise RuntimeError("no node answered GET /v1/meta")
+    node_id = rec.node = len(view["nodes"])  # ids are never reused
+    proc = await asyncio.to_thread(cluster.join_node, node_id)
+    try:
+        grown = await asyncio.to_thread(wait_until, lambda: elastic.settled(cluster, [*initial, node_id]),
+                                        120, f"replicas to spread onto node {node_id}", 0.2)
+        rec.detail["replicas_on_lost"] = elastic.loads(grown)[node_id]
+        rec.injected()
+        os.killpg(proc.pid, signal.SIGKILL)  # the node and its replicas at once, as a host dies
+        await asyncio.to_thread(proc.wait)
+        shutil.rmtree(cluster.data_dir / f"joined-{node_id}", ignore_errors=True)
+    finally:
+        await asyncio.to_thread(cluster.release_node, node_id)  # and its network with it
+    lost = time.monotonic()
+    dead_after = cluster.cfg.server.node_dead_after
+
+    def node_state() -> str | None:
+        m = elastic.meta(cluster, timeout=2.0)
+        return m["nodes"][node_id]["state"] if m is not None and node_id < len(m["nodes"]) else None
+
+    await asyncio.to_thread(wait_until, lambda: node_state() in ("dead", "removed"), dead_after + 30,
+                            f"node {node_id} to be declared dead", 0.2)
+    rec.detail["declared_dead_s"] = round(time.monotonic() - lost, 2)
+    def replaced() -> dict | None:
+        m = elastic.settled(cluster, initial)
+        return m if m is not None and m["nodes"][node_id]["state"] == "removed" else None
+
+    shrunk = await asyncio.to_thread(wait_until, replaced, 120,
+                                     f"node {node_id}'s replicas re-created on nodes {initial}, it removed", 0.2)
+    rec.detail["replaced_s"] = round(time.monotonic() - lost, 2)
+    rec.detail["moves_done"] = shrunk["rebalance"]["moves_done"]
+
+
 def _dead(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -283,6 +326,7 @@ ALL_FAULTS: dict[str, Callable[[FaultContext, FaultRecord], Awaitable[None]]] = 
     "wipe-replica": _wipe_replica,
     "reply-loss": _reply_loss,
     "membership": _membership,
+    "lose-node": _lose_node,
 }
 NETNS_ONLY = frozenset({"partition-leader", "isolate-follower", "packet-loss", "delay"})
 

@@ -116,7 +116,10 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
         cluster = ChaosCluster(data, nodes=opts.nodes, shards=opts.shards, topology=topo,
                                seed=opts.seed,
                                raft=RaftConfig(compact_entries=2000, fsync=opts.fsync),  # snapshot installs
-                               server=ServerConfig(unsafe_disable_dedup=opts.unsafe_disable_dedup))
+                               # lose-node: a lost node is declared dead after a few seconds, not
+                               # minutes; longer than any other fault keeps a node away
+                               server=ServerConfig(unsafe_disable_dedup=opts.unsafe_disable_dedup,
+                                                   node_dead_after=6.0))
         if topo is not None:
             with topo.entered():
                 report = asyncio.run(_run(state, cluster))

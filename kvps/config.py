@@ -170,12 +170,16 @@ class ServerConfig:
     # optimizer state, a 48-byte record and index entry); a push past it is refused with
     # CapacityExceeded, decided in apply so every replica agrees. None: unbounded.
     memory_limit: int | None = None
+    # A node the metadata leader cannot reach for this many seconds is declared dead: its
+    # replicas are re-created on live nodes (one move at a time, zones respected) and it is
+    # removed; it can only come back as a new node (kvps/node/liveness.py).
+    node_dead_after: float = 600.0
 
     def validate(self) -> "ServerConfig":
         _positive(self, "max_request_bytes", "max_raw_bytes", "body_timeout", "batch_bytes",
                   "max_inflight_proposals", "max_inflight_bytes", "overload_wait", "barrier_wait",
                   "delta_depth", "delta_history_bytes",
-                  "session_ttl", "idle_timeout", "max_connections_per_peer")
+                  "session_ttl", "idle_timeout", "max_connections_per_peer", "node_dead_after")
         if self.merge_window < 0:
             raise ConfigError("merge_window must be >= 0", field="merge_window")
         if self.nonfinite not in ("reject", "skip"):
@@ -205,6 +209,10 @@ class NodeConfig:
     # reach it at): e.g. "0.0.0.0" in a container whose DNS name resolves to the pod's address
     # only. Empty: listen on ``host``. ``kvps node --bind`` sets it for one process.
     bind: str = ""
+    # The failure domain this node is in (a rack, a zone: Kubernetes' topology.kubernetes.io/zone).
+    # The rebalancer never puts two replicas of a shard in one zone while another zone can take
+    # one. Empty: the node is a failure domain of its own.
+    zone: str = ""
 
     def raft_address(self, shard: int) -> str:
         return f"{self.host}:{self.port_base + 2 * shard}"
@@ -341,7 +349,7 @@ def dump_cluster(cfg: ClusterConfig) -> str:
     for node in cfg.nodes:
         lines += ["", "[[nodes]]"]
         lines += [f"{f.name} = {_toml_value(getattr(node, f.name))}" for f in dataclasses.fields(node)
-                  if f.name != "bind" or node.bind]
+                  if f.name not in ("bind", "zone") or getattr(node, f.name)]
     return "\n".join(lines) + "\n"
 
 

@@ -8,8 +8,14 @@ an ``Applied`` (``kvps.machine``) whose result is ``{"ok": ...}`` or a ``KvpsErr
 
 Nodes are never deleted from the list, only marked ``removed``: ids stay 0..n-1, so a node's id is
 its index in ``ClusterConfig.nodes`` everywhere. A node is ``active`` (may host replicas),
-``draining`` (its replicas are moving away; the rebalancer places nothing on it) or ``removed``
-(hosts nothing; its process exits).
+``draining`` (its replicas are moving away; the rebalancer places nothing on it), ``dead`` (the
+metadata leader could not reach it for ``server.node_dead_after``: its replicas are re-created
+elsewhere, the dead one removed from its group first) or ``removed`` (hosts nothing; its process
+exits). ``dead`` is never undone: a node that comes back after it is drained like a draining one
+and joins again as a new node.
+
+Each node may name a ``zone`` (a failure domain); a node without one is a domain of its own.
+Placement keeps a shard's replicas in distinct domains whenever enough domains are live.
 
 ``rebalance`` is progress the rebalancer reports (what it is moving, how many moves are done),
 replicated so that every node shows it and a new meta leader knows an interrupted move.
@@ -27,9 +33,10 @@ from kvps.assignment import Assignment
 from kvps.errors import InvalidRequest, KvpsError, Unavailable, VersionConflict
 from kvps.machine import Applied
 
-__all__ = ["MetaState", "NODE_STATES", "meta_address", "meta_nodes", "plan_meta_move", "plan_move"]
+__all__ = ["LEAVING", "MetaState", "NODE_STATES", "meta_address", "meta_nodes", "plan_meta_move", "plan_move"]
 
-NODE_STATES = ("active", "draining", "removed")
+NODE_STATES = ("active", "draining", "dead", "removed")
+LEAVING = ("draining", "dead")  # states whose replicas move away
 META_REPLICAS = 3
 _NODE_FIELDS = ("host", "admin_port", "port_base", "scheme")
 
@@ -59,8 +66,8 @@ class MetaState:
 
     @classmethod
     def initial(cls, cfg: Any) -> "MetaState":
-        nodes = [{"id": n.id, **{f: getattr(n, f) for f in _NODE_FIELDS}, "state": "active"}
-                 for n in cfg.nodes]
+        nodes = [{"id": n.id, **{f: getattr(n, f) for f in _NODE_FIELDS}, "state": "active",
+                  **({"zone": n.zone} if n.zone else {})} for n in cfg.nodes]
         return cls(nodes, Assignment.initial(cfg))
 
     # ---- the state machine ---------------------------------------------------------------------
@@ -82,6 +89,9 @@ class MetaState:
     def _apply_add_node(self, c: dict[str, Any]) -> dict[str, Any]:
         spec = {f: c[f] for f in _NODE_FIELDS}
         incarnation = c.get("incarnation")  # kvps.node.identity; None from older joiners
+        zone = c.get("zone") or ""
+        if not isinstance(zone, str):
+            raise InvalidRequest("a node's zone must be a string")
         for node in self.nodes:  # the same node asking again (a retried join) gets its id back
             if {f: node[f] for f in _NODE_FIELDS} == spec and node["state"] != "removed":
                 known = node.get("incarnation")
@@ -101,7 +111,8 @@ class MetaState:
                 raise InvalidRequest(f"node {node['id']} already uses these ports on {spec['host']}")
         node_id = len(self.nodes)
         self.nodes.append({"id": node_id, **spec, "state": "active",
-                           **({"incarnation": incarnation} if incarnation else {})})
+                           **({"incarnation": incarnation} if incarnation else {}),
+                           **({"zone": zone} if zone else {})})
         return {"ok": True, "id": node_id}
 
     def _apply_set_incarnation(self, c: dict[str, Any]) -> dict[str, Any]:
@@ -120,6 +131,9 @@ class MetaState:
         node_id, state = int(c["id"]), c["state"]
         if state not in NODE_STATES or not 0 <= node_id < len(self.nodes):
             raise InvalidRequest(f"bad node state change {node_id} -> {state!r}")
+        current = self.nodes[node_id]["state"]
+        if current == "removed" or (current == "dead" and state in ("active", "draining")):
+            raise InvalidRequest(f"node {node_id} is {current}: it cannot become {state}")
         if state == "removed" and self.assignment.shards_of(node_id):
             raise InvalidRequest(f"node {node_id} still hosts shards {self.assignment.shards_of(node_id)}")
         if state == "removed" and node_id in self.meta_members:
@@ -175,6 +189,10 @@ class MetaState:
     def active_nodes(self) -> list[int]:
         return [n["id"] for n in self.nodes if n["state"] == "active"]
 
+    def domain(self, node_id: int) -> str:
+        """The failure domain of a node: its zone, or the node itself when it names none."""
+        return self.nodes[node_id].get("zone") or f"node-{node_id}"
+
     def to_json(self) -> dict[str, Any]:
         return {"version": self.version, "nodes": self.nodes, "assignment": self.assignment.to_json(),
                 "rebalance": self.rebalance, "meta_members": self.meta_members}
@@ -198,10 +216,13 @@ class MetaState:
 def plan_move(state: MetaState, replicas: int) -> tuple[int, int, int] | None:
     """The next replica move ``(shard, source, target)``, or None when the placement is settled.
 
-    An interrupted move (recorded in ``rebalance.moving``) comes first; then replicas on draining
-    nodes move to the least-loaded active node without one; then, while the most- and
-    least-loaded active nodes differ by more than one replica, one moves from the former to the
-    latter. Ties break by node id, so every leader plans alike.
+    In order: an interrupted move (recorded in ``rebalance.moving``); a replica on a dead or
+    draining node, to the least-loaded active node outside the failure domains of the shard's
+    other replicas; a shard with two replicas in one domain, one of them to such a node; then,
+    while the most- and least-loaded active nodes differ by more than one replica, one replica
+    from the former to the latter where that keeps the shard's domains distinct. A replica with
+    no such target stays where it is (the shard keeps its replicas distinct rather than full).
+    Ties break by node id, so every leader plans alike.
     """
     moving = state.rebalance.get("moving")
     if moving and "shard" in moving:
@@ -213,13 +234,30 @@ def plan_move(state: MetaState, replicas: int) -> tuple[int, int, int] | None:
     if not active:
         return None
     load = a.load(active)
-    for node in state.nodes:
-        if node["state"] != "draining":
-            continue
-        for shard in a.shards_of(node["id"]):
-            free = [n for n in active if n not in a.nodes_of(shard)]
-            if free:
-                return shard, node["id"], min(free, key=lambda n: (load[n], n))
+
+    def target(shard: int, source: int) -> int | None:
+        """The least-loaded active node that may take ``source``'s replica of ``shard``."""
+        others = [n for n in a.nodes_of(shard) if n != source]
+        taken = {state.domain(n) for n in others}
+        free = [n for n in active if n not in others and n != source and state.domain(n) not in taken]
+        return min(free, key=lambda n: (load[n], n)) if free else None
+
+    for state_name in LEAVING[::-1]:  # a dead node's replicas first: their shards run short
+        for node in state.nodes:
+            if node["state"] != state_name:
+                continue
+            for shard in a.shards_of(node["id"]):
+                to = target(shard, node["id"])
+                if to is not None:
+                    return shard, node["id"], to
+    for shard, nodes in enumerate(a.shards):  # two replicas in one failure domain
+        seen: dict[str, int] = {}
+        for n in sorted(nodes, key=lambda n: (-load.get(n, 0), n)):
+            if state.domain(n) in seen and state.nodes[n]["state"] == "active":
+                to = target(shard, n)
+                if to is not None:
+                    return shard, n, to
+            seen.setdefault(state.domain(n), n)
     if not state.rebalance.get("auto", True):
         return None
     hi = max(active, key=lambda n: (load[n], -n))
@@ -227,14 +265,16 @@ def plan_move(state: MetaState, replicas: int) -> tuple[int, int, int] | None:
     if load[hi] - load[lo] <= 1:
         return None
     for shard in a.shards_of(hi):
-        if lo not in a.nodes_of(shard) and len(a.nodes_of(shard)) <= replicas:
+        others = {state.domain(n) for n in a.nodes_of(shard) if n != hi}
+        if lo not in a.nodes_of(shard) and len(a.nodes_of(shard)) <= replicas \
+                and state.domain(lo) not in others:
             return shard, hi, lo
     return None
 
 
 def plan_meta_move(state: MetaState) -> tuple[int, int] | None:
     """The next metadata replica move ``(source, target)``, or None: an interrupted one first;
-    then, once a draining member hosts no shard replica any more, its metadata replica moves to
+    then, once a draining or dead member hosts no shard replica any more, its metadata replica moves to
     the least-loaded active node that runs none (ties by node id)."""
     moving = state.rebalance.get("moving")
     if moving:
@@ -242,6 +282,6 @@ def plan_meta_move(state: MetaState) -> tuple[int, int] | None:
     candidates = [n for n in state.active_nodes() if n not in state.meta_members]
     load = state.assignment.load(candidates)
     for node in state.meta_members:
-        if state.nodes[node]["state"] == "draining" and not state.assignment.shards_of(node) and candidates:
+        if state.nodes[node]["state"] in LEAVING and not state.assignment.shards_of(node) and candidates:
             return node, min(candidates, key=lambda n: (load[n], n))
     return None

@@ -1,6 +1,6 @@
 """``kvps node join`` and ``kvps node drain``: grow and shrink a running cluster.
 
-    kvps node join --seed URL --port P --data-dir DIR [--host H] [--token T]
+    kvps node join --seed URL --port P --data-dir DIR [--host H] [--zone Z] [--token T]
     kvps node drain ID [--endpoint URL] [--token T] [--no-wait] [--timeout S]
 
 ``join`` asks the seed (any node) to add a node at ``H:P`` (admin API; shard ports P+1 ..
@@ -74,7 +74,7 @@ def join(args: argparse.Namespace) -> int:
     # With --secret-file (a mounted Secret) the cluster secret is not asked for over the wire.
     secret = Path(args.secret_file).read_text().strip() if args.secret_file else None
     body = {"host": args.host, "admin_port": args.port, "port_base": args.port + 1,
-            "incarnation": incarnation, "want_secret": secret is None}
+            "incarnation": incarnation, "want_secret": secret is None, "zone": args.zone}
     reply = _retrying(lambda: _request("POST", args.seed.rstrip("/") + "/v1/nodes", args.token, body),
                       f"join via {args.seed}", args.wait)
     node_id = int(reply["id"])
@@ -155,6 +155,8 @@ def main(argv: list[str]) -> int:
     j.add_argument("--data-dir", required=True)
     j.add_argument("--host", default="127.0.0.1", help="address the other nodes reach this one at")
     j.add_argument("--bind", help="listen on this address (e.g. 0.0.0.0 in a container) instead of --host")
+    j.add_argument("--zone", default="", help="this node's failure domain (a rack, a zone): a shard never "
+                   "keeps two replicas in one zone while another can take one")
     j.add_argument("--secret-file", help="the cluster secret, e.g. a mounted Secret: not sent over the join")
     j.add_argument("--token", default=os.environ.get("KVPS_TOKEN"))
     j.add_argument("--wait", type=float, default=120.0,

@@ -123,7 +123,9 @@ class NodeMembership:
         self.version = -1
         self.view: dict[str, Any] | None = None  # the newest metadata state seen
         self._tasks: list[Any] = []
-        self._rebalancer: Any = None  # the task running the rebalancer next to the local replica
+        # the tasks next to the local replica that act while it leads: the rebalancer, the node watch
+        self._leader_tasks: list[Any] = []
+        self.watch: Any = None  # kvps.node.liveness.NodeWatch, while this node runs a metadata replica
 
     def secret(self) -> bytes:
         return (self.node.config_path.parent / self.node.cfg.secret_file).read_bytes().strip()
@@ -145,8 +147,13 @@ class NodeMembership:
         meta_mover = MetaMover(http, self.meta, self._node_config, self.node.cfg.shards, timeout=600)
         from kvps.node.leaders import LeaderBalancer
         leaders = LeaderBalancer(mover) if self.node.cfg.server.spread_leaders else None
-        self._rebalancer = asyncio.create_task(
-            Rebalancer(self.meta, mover, self.node.cfg.replicas, meta_mover=meta_mover, leaders=leaders).run())
+        from kvps.node.liveness import NodeWatch
+        self.watch = NodeWatch(self.meta, http, self._node_config, self.node.node_id, replicas=self.node.cfg.replicas,
+                               dead_after=self.node.cfg.server.node_dead_after)
+        self._leader_tasks = [
+            asyncio.create_task(Rebalancer(self.meta, mover, self.node.cfg.replicas, meta_mover=meta_mover,
+                                           leaders=leaders).run()),
+            asyncio.create_task(self.watch.run())]
 
     async def _stop_meta(self) -> None:
         """This node's metadata replica was removed from the group: stop it and follow the
@@ -154,10 +161,10 @@ class NodeMembership:
         ``meta_members.json``, written first, keeps a restart from starting it again, and only a
         drain removes a metadata replica, so the node itself is removed next."""
         import asyncio
-        meta, task, self.meta, self._rebalancer = self.meta, self._rebalancer, None, None
-        if task is not None:
+        meta, tasks, self.meta, self._leader_tasks, self.watch = self.meta, self._leader_tasks, None, [], None
+        for task in tasks:
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if meta is not None:
             await asyncio.to_thread(meta.stop)
         log.info("node %d: no longer runs a metadata replica", self.node.node_id)
@@ -184,7 +191,7 @@ class NodeMembership:
 
     async def stop(self) -> None:
         import asyncio
-        tasks = [*self._tasks, *([self._rebalancer] if self._rebalancer is not None else [])]
+        tasks = [*self._tasks, *self._leader_tasks]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -311,11 +318,14 @@ class NodeMembership:
         incarnation = body.get("incarnation")  # kvps.node.identity (older joiners send none)
         if incarnation is not None and (not isinstance(incarnation, str) or not 0 < len(incarnation) <= 64):
             raise InvalidRequest("field 'incarnation' must be a short string", field="incarnation")
-        result = await meta.propose({"op": "add_node", **spec, "incarnation": incarnation})
+        zone = body.get("zone") or ""
+        if not isinstance(zone, str) or len(zone) > 64:
+            raise InvalidRequest("field 'zone' must be a short string", field="zone")
+        result = await meta.propose({"op": "add_node", **spec, "incarnation": incarnation, "zone": zone})
         nodes = meta.state().nodes
         cfg = dataclasses.replace(self.node.cfg, nodes=tuple(
             NodeConfig(id=n["id"], host=n["host"], admin_port=n["admin_port"], port_base=n["port_base"],
-                       data_dir=f"node-{n['id']}", scheme=n["scheme"]) for n in nodes),
+                       data_dir=f"node-{n['id']}", scheme=n["scheme"], zone=n.get("zone", "")) for n in nodes),
             secret_file="secret", token_file="token")
         want_secret = body.get("want_secret", True)
         if not isinstance(want_secret, bool):
@@ -360,8 +370,10 @@ class NodeMembership:
         """Node states and rebalancing progress, added to a cluster map."""
         view = self.view or {}
         states = {n["id"]: n["state"] for n in view.get("nodes", [])}
+        zones = {n["id"]: n.get("zone", "") for n in view.get("nodes", [])}
         for node in cmap["nodes"]:
             node["state"] = states.get(node["id"], "active")
+            node["zone"] = zones.get(node["id"], "")
         cmap["membership"] = {"version": view.get("version"), "rebalance": view.get("rebalance"),
                               "meta_nodes": view.get("meta_members", self.meta_ids)}
         return cmap

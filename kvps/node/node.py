@@ -210,7 +210,7 @@ class Node:
         new = tuple(NodeConfig(id=n["id"], host=n["host"], admin_port=n["admin_port"],
                                port_base=n["port_base"], scheme=n["scheme"],
                                data_dir=known[n["id"]].data_dir if n["id"] in known else f"node-{n['id']}",
-                               bind=known[n["id"]].bind if n["id"] in known else "")
+                               bind=known[n["id"]].bind if n["id"] in known else "", zone=n.get("zone", ""))
                     for n in nodes)
         path = self.data_dir / "nodes.json"
         if new != self.cfg.nodes or known_incarnations(nodes) != self._persisted_incarnations:

@@ -99,7 +99,8 @@ META = {"type": "object", "required": ["version", "nodes", "assignment", "rebala
             "nodes": {"type": "array", "items": {
                 "type": "object", "required": ["id", "host", "admin_port", "port_base", "state"],
                 "properties": {"id": _int, "host": _str, "admin_port": _int, "port_base": _int,
-                               "scheme": _str, "state": {"enum": ["active", "draining", "removed"]}}}},
+                               "scheme": _str, "zone": _str,
+                               "state": {"enum": ["active", "draining", "dead", "removed"]}}}},
             "rebalance": {"type": "object", "required": ["moving", "moves_done"],
                           "properties": {"moving": {"type": ["object", "null"]}, "moves_done": _int,
                                          "last": {"type": ["object", "null"]}}},

@@ -19,6 +19,10 @@ interrupted anywhere is finished by running it again with the same arguments. Pu
 flowing: a leader change answers pending pushes as unknown outcome, and clients retry them with
 the same push id, which the replicated applied table deduplicates.
 
+A replica of a node declared dead (``kvps/node/liveness.py``) is re-created the other way round:
+the dead member is removed from the group (and the assignment) first, then the target is placed,
+added and caught up (``Mover._replace`` says why).
+
 Where assignments live is an ``AssignmentStore``: ``MetaStore``, the metadata Raft group
 (kvps/meta.py), which every node follows. Moves run only in the ``Rebalancer`` on the metadata
 leader, one at a time (``POST /v1/moves`` queues one; ``plan_move`` chooses the rest).
@@ -118,7 +122,9 @@ class Mover:
 
     # ---- the move ----------------------------------------------------------------------------
 
-    async def move(self, shard: int, source: int, target: int) -> MoveReport:
+    async def move(self, shard: int, source: int, target: int, *, source_dead: bool = False) -> MoveReport:
+        """Move ``shard``'s replica from ``source`` to ``target``. ``source_dead``: the source's
+        node is declared dead, so it leaves the group first (``_replace``)."""
         report = MoveReport(shard, source, target)
         _last_said.clear()  # "still waiting" counts from this move's own waits
         started = time.monotonic()
@@ -131,36 +137,26 @@ class Mover:
             report.phases[name] = now - mark
             mark = now
 
+        if source_dead:
+            await self._replace(shard, source, target, deadline, report, phase)
+        else:
+            await self._move(shard, source, target, deadline, report, phase)
+        report.seconds = time.monotonic() - started
+        log.info("shard %d: replica moved from node %d to node %d in %.2f s %s", shard, source,
+                 target, report.seconds, report.to_json()["phases"])
+        return report
+
+    async def _move(self, shard: int, source: int, target: int, deadline: float, report: MoveReport,
+                    phase: Callable[[str], None]) -> None:
         assignment = await self.store.get()
         nodes = list(assignment.nodes_of(shard))
         if source not in nodes and target in nodes:
-            report.seconds = time.monotonic() - started
-            return report  # done already
+            return  # done already
         if source not in nodes:
             raise InvalidRequest(f"shard {shard} has no replica on node {source}", field="source")
-        # 1. place the target
-        if target not in nodes:
-            assignment = await self.store.put(assignment.with_shard(shard, nodes + [target]))
-        members = list(assignment.nodes_of(shard))
-        old = [n for n in members if n != target]
-        while await self.status(target, shard) is None:
-            _check(deadline, f"node {target} to start its replica of shard {shard}")
-            await asyncio.sleep(_POLL)
+        members = await self._place(shard, target, deadline)  # 1. place the target
         phase("place")
-        # 2. add it to the Raft group
-        target_addr = self.node(target).raft_address(shard)
-        added = await self._membership(shard, old, "add", target_addr, deadline)
-        commit = int(added["commit_index"])
-        phase("add")
-        # 3. wait until it has applied everything committed as of the add
-        while True:
-            st = await self.status(target, shard)
-            if st is not None and (st.get("applied_index") or 0) >= commit:
-                report.caught_up_index = int(st["applied_index"])
-                break
-            _check(deadline, f"node {target}'s replica of shard {shard} to reach index {commit}")
-            await asyncio.sleep(_POLL)
-        phase("catch_up")
+        await self._add(shard, [n for n in members if n != target], target, deadline, report, phase)
         # 4. leadership away from the source
         rest = [n for n in members if n != source]
         while await self.leader(shard, members, deadline) == source:
@@ -180,15 +176,58 @@ class Mover:
         # 5. remove the source from the group
         await self._membership(shard, rest, "remove", self.node(source).raft_address(shard), deadline)
         phase("remove")
-        # 6. retire it
-        assignment = await self.store.get()
-        final = [n for n in assignment.nodes_of(shard) if n != source]
-        await self.store.put(assignment.with_shard(shard, final))
+        await self._retire(shard, source)  # 6. retire it
         phase("retire")
-        report.seconds = time.monotonic() - started
-        log.info("shard %d: replica moved from node %d to node %d in %.2f s %s", shard, source,
-                 target, report.seconds, report.to_json()["phases"])
-        return report
+
+    async def _replace(self, shard: int, dead: int, target: int, deadline: float, report: MoveReport,
+                       phase: Callable[[str], None]) -> None:
+        """Re-create a dead node's replica: remove it from the group first, then add the target.
+        Adding first would make the newcomer part of every commit quorum (3 of 4 members with
+        one dead) until it has caught up, stalling writes for as long as its copy takes; removed
+        first, the two live replicas commit alone meanwhile, as they did since the node died."""
+        nodes = list((await self.store.get()).nodes_of(shard))
+        if dead in nodes:
+            live = [n for n in nodes if n != dead]
+            await self._membership(shard, live, "remove", self.node(dead).raft_address(shard), deadline)
+            phase("remove")
+            await self._retire(shard, dead)
+            phase("retire")
+        members = await self._place(shard, target, deadline)
+        phase("place")
+        await self._add(shard, [n for n in members if n != target], target, deadline, report, phase)
+
+    async def _place(self, shard: int, target: int, deadline: float) -> list[int]:
+        """A new assignment listing ``target`` for ``shard``; returns once its node runs the
+        replica (which waits to be added). The shard's members, target included."""
+        assignment = await self.store.get()
+        nodes = list(assignment.nodes_of(shard))
+        if target not in nodes:
+            assignment = await self.store.put(assignment.with_shard(shard, nodes + [target]))
+        while await self.status(target, shard) is None:
+            _check(deadline, f"node {target} to start its replica of shard {shard}")
+            await asyncio.sleep(_POLL)
+        return list(assignment.nodes_of(shard))
+
+    async def _add(self, shard: int, old: list[int], target: int, deadline: float, report: MoveReport,
+                   phase: Callable[[str], None]) -> None:
+        """Add ``target`` to the group through its leader (one of ``old``), then wait until it
+        has applied everything committed as of the add."""
+        added = await self._membership(shard, old, "add", self.node(target).raft_address(shard), deadline)
+        commit = int(added["commit_index"])
+        phase("add")
+        while True:
+            st = await self.status(target, shard)
+            if st is not None and (st.get("applied_index") or 0) >= commit:
+                report.caught_up_index = int(st["applied_index"])
+                break
+            _check(deadline, f"node {target}'s replica of shard {shard} to reach index {commit}")
+            await asyncio.sleep(_POLL)
+        phase("catch_up")
+
+    async def _retire(self, shard: int, source: int) -> None:
+        """A new assignment without ``source``: its node stops the replica and deletes its data."""
+        assignment = await self.store.get()
+        await self.store.put(assignment.with_shard(shard, [n for n in assignment.nodes_of(shard) if n != source]))
 
     async def _wait_leader_not(self, shard: int, members: list[int], source: int, until: float) -> None:
         while time.monotonic() < until:
@@ -343,7 +382,7 @@ class Rebalancer:
 
     async def step(self) -> bool:
         """One move, or one drained node marked removed; False when there was nothing to do."""
-        from kvps.meta import plan_meta_move, plan_move
+        from kvps.meta import LEAVING, plan_meta_move, plan_move
         state = self.meta.state()
         move = plan_move(state, self.replicas)
         meta_mover = self.meta_mover
@@ -352,10 +391,11 @@ class Rebalancer:
             return await self._meta_step(meta_mover, state, *meta_move)
         if move is None:
             for node in state.nodes:
-                if node["state"] == "draining" and not state.assignment.shards_of(node["id"]) \
+                if node["state"] in LEAVING and not state.assignment.shards_of(node["id"]) \
                         and node["id"] not in state.meta_members:
                     await self.meta.propose({"op": "set_node_state", "id": node["id"], "state": "removed"})
-                    log.info("rebalancer: node %d drained and removed", node["id"])
+                    log.info("rebalancer: node %d %s and removed", node["id"],
+                             "drained" if node["state"] == "draining" else "replaced (it was dead)")
                     return True
             if self.leaders is None or not state.rebalance.get("auto", True):
                 return False  # POST /v1/rebalance {"auto": false} stops spreading leaders too
@@ -367,7 +407,8 @@ class Rebalancer:
                                                                    "target": target}})
         log.info("rebalancer: moving shard %d's replica from node %d to node %d", shard, source, target)
         try:
-            report = await self.mover.move(shard, source, target)
+            report = await self.mover.move(shard, source, target,
+                                           source_dead=state.nodes[source]["state"] == "dead")
         except InvalidRequest as exc:  # the move no longer makes sense (placement changed): drop it
             log.warning("rebalancer: dropping the move of shard %d from node %d to node %d: %s",
                         shard, source, target, exc)

@@ -25,7 +25,7 @@ def _explain(report: dict) -> str:
 
 
 def test_chaos_ci_scenario_every_fault_kind_nothing_lost(tmp_path):
-    opts = ChaosOptions(duration=100, seed=SEED, out=tmp_path / "chaos", hold=(1.5, 3.0),
+    opts = ChaosOptions(duration=125, seed=SEED, out=tmp_path / "chaos", hold=(1.5, 3.0),
                         quiet=(0.5, 1.5), progress=False)
     report = run_chaos(opts)
     print(f"chaos CI scenario: seed {SEED}, mode {report['mode']}, faults {report['faults_by_kind']}")
@@ -59,15 +59,21 @@ def test_chaos_catches_double_applies_in_a_build_without_the_duplicate_table(tmp
     assert "--unsafe-disable-dedup" in report["replay"]
 
 
-def test_chaos_membership_a_node_joins_and_leaves_under_training_nothing_lost(tmp_path):
-    """The membership fault (a node joins, replicas spread onto it, it is drained and removed)
-    between leader kills, in loopback mode, while the training and counter workloads run."""
-    opts = ChaosOptions(duration=45, seed=SEED, out=tmp_path / "membership", shards=4, mode="loopback",
-                        faults=("membership", "kill-leader"), hold=(1.5, 3.0), quiet=(0.5, 1.0),
+def test_chaos_membership_a_node_joins_and_leaves_and_one_is_lost_under_training_nothing_lost(tmp_path):
+    """The membership fault (a node joins, replicas spread onto it, it is drained and removed) and
+    the lose-node fault (a node joins, then is killed and wiped for good: declared dead, its
+    replicas re-created on the others, removed) between leader kills, in loopback mode, while the
+    training and counter workloads run."""
+    opts = ChaosOptions(duration=55, seed=SEED, out=tmp_path / "membership", shards=4, mode="loopback",
+                        faults=("membership", "lose-node", "kill-leader"), hold=(1.5, 3.0), quiet=(0.5, 1.0),
                         progress=False)
     report = run_chaos(opts)
     print(f"chaos membership: seed {SEED}, faults {report['faults_by_kind']}")
     assert report["ok"], _explain(report)
     assert report["faults_by_kind"].get("membership", 0) >= 1, _explain(report)
+    lost = [f for f in report["faults"] if f["kind"] == "lose-node"]
+    assert lost and all(f["error"] is None for f in lost), _explain(report)
+    # declared dead no sooner than node_dead_after (6 s in chaos runs), re-created, removed
+    assert all(f["detail"]["declared_dead_s"] >= 5.0 and f["detail"]["replaced_s"] > 0 for f in lost)
     assert report["counter"]["lost"] == 0 and report["counter"]["applied_twice"] == 0
     assert report["convergence"]["ok"] and report["linearizability"]["ok"] is True

@@ -94,9 +94,9 @@ def test_linearizability_report_names_the_stuck_operations():
 def test_plan_faults_drops_packet_faults_in_loopback_and_rejects_unknown_names():
     run, not_run = plan_faults(ChaosOptions(), "loopback")
     assert "kill-leader" in run and "partition-leader" in not_run and "delay" in not_run
-    assert "membership" in run
+    assert "membership" in run and "lose-node" in run
     run, not_run = plan_faults(ChaosOptions(), "netns")
-    assert not not_run and len(run) == 11 and "membership" in run  # joiners get a namespace too
+    assert not not_run and len(run) == 12 and "lose-node" in run  # joiners get a namespace too
     with pytest.raises(ValueError, match="unknown fault"):
         plan_faults(ChaosOptions(faults=("kill-leader", "meteor")), "netns")
 

@@ -9,6 +9,7 @@ from pysyncobj import SyncObj
 
 from kvps.assignment import Assignment
 from kvps.config import ClusterConfig, NodeConfig
+from conftest import wait_for
 from kvps.errors import InvalidRequest, KvpsError, VersionConflict
 
 
@@ -206,9 +207,10 @@ class _Mover:
     """Moves by rewriting the assignment, as a finished real move leaves it."""
 
     def __init__(self, meta: _Meta, refuse: bool = False) -> None:
-        self.meta, self.refuse, self.moves = meta, refuse, []
+        self.meta, self.refuse, self.moves, self.dead_sources = meta, refuse, [], []
 
-    async def move(self, shard: int, source: int, target: int) -> MoveReport:
+    async def move(self, shard: int, source: int, target: int, *, source_dead: bool = False) -> MoveReport:
+        self.dead_sources.append(source) if source_dead else None
         if self.refuse:
             raise InvalidRequest(f"shard {shard} has no replica on node {source}")
         a = self.meta.state().assignment
@@ -244,3 +246,120 @@ def test_rebalancer_drops_a_move_that_no_longer_makes_sense():
     assert asyncio.run(rebalancer.step())
     rebalance = meta.state().rebalance
     assert rebalance["moving"] is None and "error" in rebalance["last"]
+
+
+# ---- failure domains, dead nodes and the watch that declares them -----------------------------
+
+def zoned(zones: list[str], shards: int) -> ClusterConfig:
+    return ClusterConfig(nodes=tuple(NodeConfig(id=i, zone=z, admin_port=7100 + i, port_base=8000 + 100 * i)
+                                     for i, z in enumerate(zones)), shards=shards).validate()
+
+
+def domains_distinct(state: MetaState) -> bool:
+    return all(len({state.domain(n) for n in nodes}) == len(nodes) for nodes in state.assignment.shards)
+
+
+def test_zones_keep_each_shards_replicas_in_distinct_failure_domains():
+    state = MetaState.initial(zoned(["a", "a", "b", "b", "c", "c"], 6))
+    assert not domains_distinct(state)  # the config's placement ignores zones: shard 0 on 0, 1, 2
+    settle(state)
+    assert domains_distinct(state)
+    load = state.assignment.load(state.active_nodes())
+    assert max(load.values()) - min(load.values()) <= 1
+    assert MetaState.initial(cfg(3, 2)).domain(1) == "node-1"  # no zone: a domain of its own
+
+
+def test_zones_round_trip_through_the_config_file(tmp_path):
+    import dataclasses
+
+    from kvps.config import ServerConfig, dump_cluster, load_cluster
+    c = zoned(["a", "b", ""], 2)
+    c = dataclasses.replace(c, server=ServerConfig(node_dead_after=30.0))
+    path = tmp_path / "cluster.toml"
+    path.write_text(dump_cluster(c))
+    back = load_cluster(path)
+    assert [n.zone for n in back.nodes] == ["a", "b", ""] and back.server.node_dead_after == 30.0
+    assert "zone" not in dump_cluster(cfg(3, 2))  # only where set
+
+
+def test_a_dead_nodes_replicas_are_re_created_in_other_domains_then_it_is_removed():
+    state = MetaState.initial(zoned(["a", "a", "b", "b", "c", "c"], 6))
+    settle(state)
+    hosted = state.assignment.shards_of(4)
+    assert hosted and state.apply({"op": "set_node_state", "id": 4, "state": "dead"}).result["ok"]
+    moves = settle(state)
+    assert {m[0] for m in moves if m[1] == 4} == set(hosted) and moves[0][1] == 4  # the dead node first
+    assert state.assignment.shards_of(4) == [] and domains_distinct(state)
+    assert all(len(nodes) == 3 for nodes in state.assignment.shards)
+    # dead is never undone: the node can only leave
+    assert isinstance(state.apply({"op": "set_node_state", "id": 4, "state": "active"}).result, KvpsError)
+    assert state.apply({"op": "set_node_state", "id": 4, "state": "removed"}).result["ok"]
+    assert isinstance(state.apply({"op": "set_node_state", "id": 4, "state": "dead"}).result, KvpsError)
+
+
+def test_a_dead_nodes_replica_with_nowhere_to_go_stays_rather_than_share_a_domain():
+    state = MetaState.initial(zoned(["a", "b", "c", "c"], 4))
+    settle(state)
+    assert domains_distinct(state)
+    state.apply({"op": "set_node_state", "id": 0, "state": "dead"})
+    settle(state)  # zone a had only node 0: its replicas cannot go to b or c without sharing one
+    assert state.assignment.shards_of(0) and domains_distinct(state)
+
+
+def test_the_rebalancer_replaces_a_dead_nodes_replicas_remove_first_and_removes_it():
+    meta = _Meta(MetaState.initial(cfg(4, 4)))
+    hosted = meta.state().assignment.shards_of(3)
+    asyncio.run(meta.propose({"op": "set_node_state", "id": 3, "state": "dead"}))
+    mover = _Mover(meta)
+    rebalancer = Rebalancer(meta, mover, replicas=3)
+
+    async def run_until_idle() -> None:
+        while await rebalancer.step():
+            pass
+
+    asyncio.run(run_until_idle())
+    assert [m[0] for m in mover.moves] == hosted and mover.dead_sources == [3] * len(hosted)
+    assert meta.state().nodes[3]["state"] == "removed"
+
+
+class _Http:
+    """Answers ``/healthz`` for every node but the silent ones."""
+
+    def __init__(self, silent: set[int]) -> None:
+        self.silent = silent
+
+    async def text(self, url: str, *, timeout: float | None = None) -> str:
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        if port - 7100 in self.silent:
+            from kvps.errors import ConnectError
+            raise ConnectError(url, "connection refused")
+        return "ok"
+
+
+def _watch(state: MetaState, silent: set[int], dead_after: float):
+    from kvps.node.liveness import NodeWatch
+    meta = _Meta(state)
+    c = cfg(len(state.nodes), len(state.assignment.shards))
+    return meta, NodeWatch(meta, _Http(silent), lambda n: NodeConfig(id=n, admin_port=7100 + n), 0,
+                           dead_after=dead_after, replicas=c.replicas, period=0.05)
+
+
+def test_the_node_watch_declares_a_silent_node_dead_after_node_dead_after():
+    import time
+    meta, watch = _watch(MetaState.initial(cfg(4, 4)), {3}, dead_after=0.5)
+    started = time.monotonic()
+    assert asyncio.run(watch.check()) == []  # the first silence starts the count
+    declared = wait_for(lambda: asyncio.run(watch.check()), 10, "node 3 to be declared dead")
+    assert declared == [3] and time.monotonic() - started >= 0.5
+    assert meta.state().nodes[3]["state"] == "dead"
+    assert [n["state"] for n in meta.state().nodes[:3]] == ["active"] * 3  # the others answer
+    assert asyncio.run(watch.check()) == []  # a dead node is no longer watched
+
+
+def test_the_node_watch_leaves_a_node_whose_replicas_have_nowhere_to_go():
+    import time
+    meta, watch = _watch(MetaState.initial(cfg(3, 4)), {2}, dead_after=0.2)
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:  # well past dead_after: three nodes, nowhere to re-create
+        assert asyncio.run(watch.check()) == []
+    assert meta.state().nodes[2]["state"] == "active" and watch.unreachable()[2] >= 0.2
