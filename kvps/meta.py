@@ -127,6 +127,17 @@ class MetaState:
         self.nodes[node_id]["incarnation"] = incarnation
         return {"ok": True}
 
+    def _apply_set_zone(self, c: dict[str, Any]) -> dict[str, Any]:
+        """A node's failure domain, as the node itself says at start (``kvps node --zone``)."""
+        node_id, zone = int(c["id"]), c["zone"]
+        if not 0 <= node_id < len(self.nodes) or not isinstance(zone, str) or len(zone) > 64:
+            raise InvalidRequest(f"bad zone for node {node_id}")
+        if zone:
+            self.nodes[node_id]["zone"] = zone
+        else:
+            self.nodes[node_id].pop("zone", None)
+        return {"ok": True}
+
     def _apply_set_node_state(self, c: dict[str, Any]) -> dict[str, Any]:
         node_id, state = int(c["id"]), c["state"]
         if state not in NODE_STATES or not 0 <= node_id < len(self.nodes):

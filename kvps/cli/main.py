@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--bind", help="listen on this address (e.g. 0.0.0.0 in a container) instead "
                                      "of the node's host in cluster.toml, which stays the address "
                                      "the others reach it at")
+    node.add_argument("--zone", help="this node's failure domain (a rack, a zone), instead of its "
+                                     "zone in cluster.toml: a shard never keeps two replicas in one "
+                                     "zone while another can take one")
     node.add_argument("--replace", action="store_true",
                       help="this node takes the place of node ID, whose data directory was lost: "
                            "a new incarnation whose replicas come back recovering (no vote until "
@@ -199,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                                     args.join, bind=args.bind))
         elif args.command == "node":
             from kvps.node.main import run_node
-            asyncio.run(run_node(Path(args.config).resolve(), args.id, replace=args.replace, bind=args.bind))
+            asyncio.run(run_node(Path(args.config).resolve(), args.id, replace=args.replace, bind=args.bind,
+                                 zone=args.zone))
         elif args.command == "up":
             return _cmd_up(args)
         elif args.command == "status":

@@ -99,7 +99,7 @@ def join(args: argparse.Namespace) -> int:
         path.write_text(text + "\n")
     print(f"joined as node {node_id}: admin API http://{args.host}:{args.port}, data in {data_dir}",
           flush=True)
-    asyncio.run(run_node(data_dir / "cluster.toml", node_id, bind=args.bind))
+    asyncio.run(run_node(data_dir / "cluster.toml", node_id, bind=args.bind, zone=args.zone))
     return 0
 
 

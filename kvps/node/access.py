@@ -40,6 +40,7 @@ ADMIN_ROUTES: dict[tuple[str, str], str | None] = {
     ("POST", "/v1/nodes"): "admin",
     ("POST", "/v1/nodes/{id}/drain"): "admin",
     ("POST", "/v1/nodes/{id}/incarnation"): "admin",
+    ("POST", "/v1/nodes/{id}/zone"): "admin",
     ("POST", "/v1/moves"): "admin",
     ("POST", "/v1/rebalance"): "admin",
 }

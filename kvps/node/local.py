@@ -155,14 +155,15 @@ class LocalCluster:
                        period=0.1)
         return self
 
-    def start_node(self, node_id: int, *, replace: bool = False) -> None:
+    def start_node(self, node_id: int, *, replace: bool = False, zone: str | None = None) -> None:
         """Start node ``node_id`` (no-op while it runs); ``replace``: ``kvps node --replace``, for
-        a node whose data directory was lost."""
+        a node whose data directory was lost; ``zone``: ``kvps node --zone``."""
         proc = self.procs.get(node_id)
         if proc is not None and proc.poll() is None:
             return
         args = python_module_args("kvps.cli", "node", "--config", str(self.config_path),
-                                  "--id", str(node_id), *(["--replace"] if replace else []))
+                                  "--id", str(node_id), *(["--replace"] if replace else []),
+                                  *(["--zone", zone] if zone is not None else []))
         log = self.data_dir / f"node-{node_id}" / "logs" / "node.log"
         self.procs[node_id] = spawn(self.node_command(node_id, args), log, new_session=True,
                                     env=self.env)

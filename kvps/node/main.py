@@ -12,11 +12,13 @@ from kvps.service.tls import client_context, server_context
 __all__ = ["run_node"]
 
 
-async def run_node(config: Path, node_id: int, *, replace: bool = False, bind: str | None = None) -> None:
+async def run_node(config: Path, node_id: int, *, replace: bool = False, bind: str | None = None,
+                   zone: str | None = None) -> None:
     cfg = load_cluster(config).with_bind(node_id, bind)
     base = config.parent
     token_file = base / cfg.token_file
     admin_token(token_file)  # without an admin token: ConfigError now rather than 401s later
     node = Node(cfg, node_id, config, base / cfg.node(node_id).data_dir, TokenStore(token_file),
-                server_ssl=server_context(cfg, base), client_ssl=client_context(cfg, base), replace=replace)
+                server_ssl=server_context(cfg, base), client_ssl=client_context(cfg, base), replace=replace,
+                zone=zone)
     await node.run(stop_event())

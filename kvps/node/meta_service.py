@@ -247,6 +247,7 @@ class NodeMembership:
         me = data["nodes"][self.node.node_id] if self.node.node_id < len(data["nodes"]) else None
         if me is not None:
             await self.node.check_incarnation(me.get("incarnation"))
+            await self.node.check_zone(me.get("zone", ""))
         if me is not None and me["state"] == "removed" and not self.node.replicas:
             log.info("node %d: removed from the cluster; exiting", self.node.node_id)
             self.node.request_stop()
@@ -276,11 +277,15 @@ class NodeMembership:
         async def rebalance(request: web.Request) -> web.Response:
             return await self.guarded(request, self._rebalance)
 
+        async def zone(request: web.Request) -> web.Response:
+            return await self.guarded(request, lambda meta, body: self._zone(meta, path_id(request, "node"), body))
+
         app.router.add_get("/v1/meta", get_meta)
         app.router.add_post("/v1/nodes", join)
         app.router.add_post("/v1/nodes/{id}/drain", drain)
         app.router.add_post("/v1/moves", move)
         app.router.add_post("/v1/rebalance", rebalance)
+        app.router.add_post("/v1/nodes/{id}/zone", zone)
 
     async def guarded(self, request: Any, action: Any) -> Any:
         """Body read as a JSON object (the token and its role were checked by the app,
@@ -349,6 +354,15 @@ class NodeMembership:
         """``{"auto": false}`` stops evening out the load (drains and queued moves still run)."""
         await meta.propose({"op": "rebalance", "auto": _field(body, "auto", bool)})
         return meta.state().rebalance
+
+    async def _zone(self, meta: MetaService, node_id: int, body: dict[str, Any]) -> dict[str, Any]:
+        """Record a node's zone (a node records its own at start: ``Node.check_zone``)."""
+        zone = body.get("zone")
+        if not isinstance(zone, str) or len(zone) > 64:
+            raise InvalidRequest("field 'zone' must be a string of at most 64 characters", field="zone")
+        if not 0 <= node_id < len(meta.state().nodes):
+            raise InvalidRequest(f"no node {node_id}", field="id")
+        return await meta.propose({"op": "set_zone", "id": node_id, "zone": zone})
 
     async def _drain(self, meta: MetaService, node_id: int) -> dict[str, Any]:
         state = meta.state()

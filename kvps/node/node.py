@@ -74,7 +74,8 @@ class ReplicaProcess:
 class Node:
     def __init__(self, cfg: ClusterConfig, node_id: int, config_path: Path, data_dir: Path,
                  tokens: TokenStore, *, server_ssl: ssl.SSLContext | None = None,
-                 client_ssl: ssl.SSLContext | None = None, replace: bool = False) -> None:
+                 client_ssl: ssl.SSLContext | None = None, replace: bool = False,
+                 zone: str | None = None) -> None:
         self._server_ssl = server_ssl
         self._client_ssl = client_ssl
         self.cfg = cfg
@@ -91,6 +92,9 @@ class Node:
         # it takes over whichever one is recorded)
         self._persisted_incarnations: dict[int, str] = {}
         self.refusal: str | None = None  # why the node stopped itself, if it did
+        # The failure domain this node says it is in (--zone, else cluster.toml's); recorded in
+        # the metadata group when it differs from what is recorded there (check_zone).
+        self.zone = cfg.node(node_id).zone if zone is None else zone
         self._followed: list[dict[str, Any]] = []  # the metadata node list as last followed
         # The node list as last followed (joined nodes): a restart must know the nodes its
         # assignment and the metadata group name before it can ask them for a newer list.
@@ -247,6 +251,16 @@ class Node:
                         f"directory is {mine.incarnation}: another node replaced this one")
         log.error("node %d: %s; stopping", self.node_id, self.refusal)
         self.request_stop()
+
+    async def check_zone(self, recorded: str) -> None:
+        if self.zone == recorded:
+            return
+        url = self.cfg.node(self.node_id).admin_url + f"/v1/nodes/{self.node_id}/zone"
+        try:
+            await self.http.json("POST", url, {"zone": self.zone}, timeout=5.0)
+            log.info("node %d: recorded its zone %r", self.node_id, self.zone)
+        except KvpsError as exc:  # retried on the next follow round
+            log.info("node %d: recording its zone failed: %s", self.node_id, exc)
 
     def request_stop(self) -> None:
         if self._stop_event is not None:

@@ -182,6 +182,13 @@ ADMIN_PATHS: dict[str, dict[str, Any]] = {
             "type": "object", "required": ["incarnation"],
             "properties": {"incarnation": _str, "replaces": _opt_str}}}}},
         "responses": {"200": _json({"type": "object"}), "400": _json(ERROR), "401": _json(ERROR)}}},
+    "/v1/nodes/{id}/zone": {"post": {
+        "summary": "Record node {id}'s failure domain (a node records its own at start: kvps node --zone "
+                   "or cluster.toml); replicas of a shard are kept in distinct zones",
+        "parameters": [{"name": "id", "in": "path", "required": True, "schema": _int}],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["zone"], "properties": {"zone": _str}}}}},
+        "responses": {"200": _json({"type": "object"}), "400": _json(ERROR), "401": _json(ERROR)}}},
     "/v1/nodes/{id}/drain": {"post": {
         "summary": "Drain a node: its replicas move away one at a time, then it is removed and exits",
         "parameters": [{"name": "id", "in": "path", "required": True, "schema": _int}],

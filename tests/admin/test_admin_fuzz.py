@@ -69,6 +69,7 @@ SPECS: dict[tuple[str, str], Spec] = {
     ("POST", "/v1/nodes/{id}/drain"): Spec(token=True, ids="node"),
     ("GET", "/v1/identity"): Spec(token=True),
     ("POST", "/v1/nodes/{id}/incarnation"): Spec(token=True, ids="node"),
+    ("POST", "/v1/nodes/{id}/zone"): Spec(token=True, ids="node", fields={"zone": (str,)}, required=("zone",)),
     ("POST", "/v1/moves"): Spec(token=True, fields={"shard": _INT, "source": _INT, "target": _INT},
                                 required=("shard", "source", "target")),
     ("POST", "/v1/rebalance"): Spec(token=True, fields={"auto": (bool,)}, required=("auto",)),

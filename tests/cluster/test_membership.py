@@ -363,3 +363,11 @@ def test_the_node_watch_leaves_a_node_whose_replicas_have_nowhere_to_go():
     while time.monotonic() < deadline:  # well past dead_after: three nodes, nowhere to re-create
         assert asyncio.run(watch.check()) == []
     assert meta.state().nodes[2]["state"] == "active" and watch.unreachable()[2] >= 0.2
+
+
+def test_a_node_records_its_own_zone():
+    state = MetaState.initial(cfg(3, 2))
+    assert state.apply({"op": "set_zone", "id": 1, "zone": "eu-1b"}).result["ok"] and state.domain(1) == "eu-1b"
+    assert state.apply({"op": "set_zone", "id": 1, "zone": ""}).result["ok"] and state.domain(1) == "node-1"
+    for bad in ({"id": 9, "zone": "a"}, {"id": 1, "zone": 3}, {"id": 1, "zone": "z" * 65}):
+        assert isinstance(state.apply({"op": "set_zone", **bad}).result, KvpsError)

@@ -44,7 +44,7 @@ def test_a_wiped_node_is_refused_under_its_id_and_replace_loses_nothing(cluster_
     assert not list((c.data_dir / "node-2").glob("shard-*")), "no replica may start under the old id"
     assert asyncio.run(push(10)) == 30.0  # the other two keep committing
 
-    c.start_node(2, replace=True)
+    c.start_node(2, replace=True, zone="rack-b")  # the replacement sits elsewhere: it says so
     replica_log = c.data_dir / "node-2" / "logs" / "shard-0.log"
     wait_for(lambda: replica_log.exists() and "votes again" in replica_log.read_text(), 90,
              "the replaced node's replica to catch up and leave recovery")
@@ -55,3 +55,7 @@ def test_a_wiped_node_is_refused_under_its_id_and_replace_loses_nothing(cluster_
     wait_for(lambda: len({c.state_hash(n, 0) for n in range(3)} - {None}) == 1, 60,
              "the three replicas to agree")
     assert asyncio.run(push(1)) == 31.0  # every acknowledged push, once
+    zones = wait_for(lambda: (lambda z: z if z[2] == "rack-b" else None)(
+        {n["id"]: n.get("zone", "") for n in c.admin("GET", "/v1/meta")["nodes"]}), 30,
+        "node 2's zone (kvps node --zone) to be recorded")
+    assert zones[0] == zones[1] == ""
