@@ -26,8 +26,8 @@ def _documents() -> list[dict]:
 def test_every_manifest_validates_against_the_kubernetes_schemas():
     docs = _documents()
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["PodDisruptionBudget", "Role", "RoleBinding", "Service", "ServiceAccount",
-                     "StatefulSet"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "PodDisruptionBudget", "Role", "RoleBinding",
+                     "Service", "ServiceAccount", "StatefulSet"]
     for doc in docs:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
 
@@ -41,6 +41,9 @@ def test_the_statefulset_spreads_pods_and_drains_only_through_its_scripts():
     (container,) = pod["containers"]
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"  # its zone label
+    zone_reader = next(d for d in _documents() if d["kind"] == "ClusterRole")
+    assert zone_reader["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
     assert container["lifecycle"]["preStop"]["exec"]["command"][-1] == "/etc/kvps/prestop.sh"
     pdb = next(d for d in _documents() if d["kind"] == "PodDisruptionBudget")
     assert pdb["spec"]["maxUnavailable"] == 1
