@@ -4,6 +4,7 @@
 # reached at its pod DNS name; the namespace comes from the downward API (POD_NAMESPACE).
 #   KVPS_DATA (/data)            the pod's volume
 #   KVPS_CONFIG (/etc/kvps)      the ConfigMap: cluster.toml with __NAMESPACE__ for the namespace
+#                                and __SECRET__ for KVPS_SECRET (written into KVPS_DATA, node-N below it)
 #   KVPS_SECRET (/etc/kvps-secret) the Secret: secret and token (never sent over the join)
 #   KVPS_SERVICE (kvps), KVPS_DOMAIN (svc.cluster.local)
 set -eu
@@ -19,7 +20,7 @@ mkdir -p "$data"
 # environment: not on a command line (ps shows those)
 KVPS_TOKEN=$(awk 'NF == 1 || $2 == "admin" { print $1; exit }' "$secret/token"); export KVPS_TOKEN
 if [ "$ordinal" -lt 3 ]; then
-  sed "s/__NAMESPACE__/$ns/g" "$config/cluster.toml" > "$data/cluster.toml"
+  sed -e "s/__NAMESPACE__/$ns/g" -e "s|__SECRET__|$secret|g" "$config/cluster.toml" > "$data/cluster.toml"
   # A node whose volume was lost is refused under its id (kvps.node.identity); set
   # KVPS_REPLACE=1 on the pod to bring it back as a replacement (its replicas recover first).
   exec kvps node --config "$data/cluster.toml" --id "$ordinal" --bind 0.0.0.0 \
