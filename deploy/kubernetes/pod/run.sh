@@ -29,6 +29,11 @@ fi
 # Joined pods: the same command after a restart gets the same id back (the volume's identity);
 # a pod whose volume was lost is a new incarnation and the join is refused until its old id is
 # drained (kvps node drain ID): it never comes back under the old id with empty replicas.
+# The secret stays off the wire (--secret-file), and so do the tokens: the Secret's token file is
+# copied into the volume, where the node and its replicas read it (the join keeps a token file
+# that holds the joining token as admin). Without it a joined pod knows the admin token only and
+# refuses every other role's token (training jobs push with a write token).
+(umask 077 && cp "$secret/token" "$data/token")
 exec kvps node join --seed "http://${service}-0.${service}.${ns}.${domain}:7100" --port 7100 \
   --host "${HOSTNAME}.${service}.${ns}.${domain}" --bind 0.0.0.0 --data-dir "$data" \
   --secret-file "$secret/secret"
