@@ -16,7 +16,11 @@ through the node's delay proxy (``kvps_chaos.proxy``), so the cluster config sta
 of truth: nodes dial the addresses in ``cluster.toml``, the kernel hands the connection to the proxy.
 
 Names carry the pid of the process that made them, so a run killed with ``kill -9`` leaves
-namespaces that the next run removes (``remove_stale``).
+namespaces that the next run removes (``remove_stale``), with their ``/etc/netns`` files.
+
+Names can be given addresses (``set_hosts``: an ``/etc/hosts`` per namespace, which ``ip netns exec``
+bind-mounts over the real one), so processes started with ``exec_args`` reach each other by name, as
+Kubernetes pods reach each other by their DNS names.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 
 __all__ = ["PROXY_MARK", "PROXY_PORT", "Topology", "netns_support", "remove_stale"]
 
@@ -35,6 +40,7 @@ SUBNET = "10.250.0"          # private to this run's namespaces: they are not li
 PROXY_PORT = 6999            # the delay proxy's port on 127.0.0.1 inside each node namespace
 PROXY_MARK = 0x4B5053        # socket mark on the proxy's own upstream connections (not redirected)
 _CLONE_NEWNET = 0x40000000
+ETC_NETNS = Path("/etc/netns")  # ip netns exec bind-mounts /etc/netns/<name>/* over /etc/*
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -79,6 +85,10 @@ def remove_stale() -> list[str]:
         if m and not os.path.exists(f"/proc/{m.group(1)}"):
             _run(["ip", "netns", "del", name], check=False)
             removed.append(name)
+    for path in ETC_NETNS.glob(f"{PREFIX}*-*") if ETC_NETNS.is_dir() else ():
+        m = re.fullmatch(PREFIX + r"(\d+)-(hub|n\d+)", path.name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            shutil.rmtree(path, ignore_errors=True)
     return removed
 
 
@@ -94,6 +104,7 @@ class Topology:
         self.run_id = os.getpid() if run_id is None else run_id
         self.hub = f"{PREFIX}{self.run_id}-hub"
         self.created: list[str] = []
+        self.hosts: str | None = None  # /etc/hosts inside every namespace of the run (set_hosts)
 
     def ns(self, node: int) -> str:
         return f"{PREFIX}{self.run_id}-n{node}"
@@ -124,6 +135,25 @@ class Topology:
     def _add_ns(self, name: str) -> None:
         _run(["ip", "netns", "add", name])
         self.created.append(name)
+        if self.hosts is not None:
+            self._write_hosts(name)
+
+    def set_hosts(self, names: Mapping[str, str]) -> None:
+        """Resolve ``names`` (name -> address) in every namespace of this run, and in those added
+        later: processes started with ``ip netns exec`` see ``/etc/netns/<namespace>/hosts`` as
+        their ``/etc/hosts``. The files go with their namespaces."""
+        self.hosts = "127.0.0.1 localhost\n" + "".join(f"{addr} {name}\n" for name, addr in names.items())
+        for name in self.created:
+            self._write_hosts(name)
+
+    def _write_hosts(self, name: str) -> None:
+        (ETC_NETNS / name).mkdir(parents=True, exist_ok=True)
+        (ETC_NETNS / name / "hosts").write_text(self.hosts or "")
+
+    @staticmethod
+    def _del_ns(name: str) -> None:
+        _run(["ip", "netns", "del", name], check=False)
+        shutil.rmtree(ETC_NETNS / name, ignore_errors=True)
 
     def add_node(self, n: int) -> str:
         """A namespace for a node that joins mid-run (veth on the hub's bridge, nftables table);
@@ -142,7 +172,7 @@ class Topology:
         processes first (a namespace lives on while a process is inside it)."""
         ns = self.ns(n)
         if ns in self.created:
-            _run(["ip", "netns", "del", ns], check=False)
+            self._del_ns(ns)
             self.created.remove(ns)
 
     def _add_node(self, n: int) -> None:
@@ -162,8 +192,10 @@ class Topology:
 
     def destroy(self) -> None:
         for name in reversed(self.created):
-            _run(["ip", "netns", "del", name], check=False)
+            self._del_ns(name)
         self.created.clear()
+        with contextlib.suppress(OSError):  # only if empty: no other namespace has files there
+            ETC_NETNS.rmdir()
 
     def __enter__(self) -> "Topology":
         return self.create()

@@ -122,9 +122,15 @@ def drain(args: argparse.Namespace) -> int:
         return 0
     deadline = time.monotonic() + args.timeout
     last, bar = None, None
+    urls = [base]  # where the metadata view is read: the endpoint first, then the nodes it named
     try:
         while time.monotonic() < deadline:
-            meta = _request("GET", f"{base}/v1/meta", args.token)
+            meta = _meta(urls, args.token)
+            if meta is None:  # none answers right now (a restart, an election): ask again
+                time.sleep(0.5)
+                continue
+            urls = [base, *(f"{n['scheme']}://{n['host']}:{n['admin_port']}" for n in meta["nodes"]
+                            if n["state"] == "active" and n["id"] != args.id)]
             state = meta["nodes"][args.id]["state"]
             hosted = [s["id"] for s in meta["assignment"]["shards"] if args.id in s["nodes"]]
             if bar is None:  # a bar over the replicas still to move
@@ -144,6 +150,18 @@ def drain(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     raise KvpsError(f"node {args.id} was not drained within {args.timeout:.0f} s")
+
+
+def _meta(urls: list[str], token: str) -> dict | None:
+    """``GET /v1/meta`` from the first of ``urls`` that answers; None if none does. The endpoint
+    may be the node being drained (a Kubernetes preStop hook asks its own pod): it exits once it is
+    removed, maybe before this command has seen it removed, so the other nodes are asked too."""
+    for url in urls:
+        try:
+            return _request("GET", f"{url}/v1/meta", token)
+        except RetryableError:
+            continue
+    return None
 
 
 def main(argv: list[str]) -> int:

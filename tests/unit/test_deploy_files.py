@@ -55,10 +55,14 @@ def test_the_kustomization_files_exist_and_the_pod_config_loads(tmp_path):
     assert all((K8S / f).is_file() for f in files)
     for f in ("statefulset.yaml", *kust["resources"]):
         assert (K8S / f).is_file()
-    text = (K8S / "pod" / "cluster.toml").read_text().replace("__NAMESPACE__", "training")
+    text = (K8S / "pod" / "cluster.toml").read_text()
+    text = text.replace("__NAMESPACE__", "training").replace("__SECRET__", "/etc/kvps-secret")  # as run.sh
     (tmp_path / "cluster.toml").write_text(text)
     cfg = load_cluster(tmp_path / "cluster.toml")
     assert [n.host for n in cfg.nodes] == [f"kvps-{i}.kvps.training.svc.cluster.local" for i in range(3)]
+    # the Secret's mount; node directories inside the volume run.sh writes cluster.toml into
+    assert (cfg.secret_file, cfg.token_file) == ("/etc/kvps-secret/secret", "/etc/kvps-secret/token")
+    assert [n.data_dir for n in cfg.nodes] == ["node-0", "node-1", "node-2"]
 
 
 @pytest.mark.parametrize("script", ["run.sh", "prestop.sh"])
