@@ -11,8 +11,10 @@ its index in ``ClusterConfig.nodes`` everywhere. A node is ``active`` (may host 
 ``draining`` (its replicas are moving away; the rebalancer places nothing on it), ``dead`` (the
 metadata leader could not reach it for ``server.node_dead_after``: its replicas are re-created
 elsewhere, the dead one removed from its group first) or ``removed`` (hosts nothing; its process
-exits). ``dead`` is never undone: a node that comes back after it is drained like a draining one
-and joins again as a new node.
+exits). ``dead`` is not undone by the node coming back (it is drained like a draining one and
+joins again as a new node), only by a replacement: ``kvps node --replace`` records a new
+incarnation under the id, an empty node whose replicas recover before they vote, and makes a
+dead or removed node active again.
 
 Each node may name a ``zone`` (a failure domain); a node without one is a domain of its own.
 Placement keeps a shard's replicas in distinct domains whenever enough domains are live.
@@ -121,10 +123,15 @@ class MetaState:
         node_id, incarnation, replaces = int(c["id"]), c["incarnation"], c.get("replaces")
         if not 0 <= node_id < len(self.nodes) or not isinstance(incarnation, str) or not incarnation:
             raise InvalidRequest(f"bad incarnation for node {node_id}")
-        known = self.nodes[node_id].get("incarnation")
+        node = self.nodes[node_id]
+        known = node.get("incarnation")
         if known is not None and known != incarnation and known != replaces:
             raise InvalidRequest(f"node {node_id} is incarnation {known}; {incarnation} does not replace it")
-        self.nodes[node_id]["incarnation"] = incarnation
+        node["incarnation"] = incarnation
+        if known is not None and known == replaces and node["state"] in ("dead", "removed"):
+            # a replacement (--replace) of a node declared dead or already removed: a new, empty
+            # node under the old id (its replicas recover before they vote), so it may host again
+            node["state"] = "active"
         return {"ok": True}
 
     def _apply_set_zone(self, c: dict[str, Any]) -> dict[str, Any]:
@@ -230,8 +237,9 @@ def plan_move(state: MetaState, replicas: int) -> tuple[int, int, int] | None:
     In order: an interrupted move (recorded in ``rebalance.moving``); a replica on a dead or
     draining node, to the least-loaded active node outside the failure domains of the shard's
     other replicas; a shard with two replicas in one domain, one of them to such a node; then,
-    while the most- and least-loaded active nodes differ by more than one replica, one replica
-    from the former to the latter where that keeps the shard's domains distinct. A replica with
+    while two active nodes differ by more than one replica, one replica from the more to the less
+    loaded where that keeps the shard's domains distinct (the most uneven pair first: with zones of
+    different sizes the load can only be as even as the zones allow). A replica with
     no such target stays where it is (the shard keeps its replicas distinct rather than full).
     Ties break by node id, so every leader plans alike.
     """
@@ -271,15 +279,16 @@ def plan_move(state: MetaState, replicas: int) -> tuple[int, int, int] | None:
             seen.setdefault(state.domain(n), n)
     if not state.rebalance.get("auto", True):
         return None
-    hi = max(active, key=lambda n: (load[n], -n))
-    lo = min(active, key=lambda n: (load[n], n))
-    if load[hi] - load[lo] <= 1:
-        return None
-    for shard in a.shards_of(hi):
-        others = {state.domain(n) for n in a.nodes_of(shard) if n != hi}
-        if lo not in a.nodes_of(shard) and len(a.nodes_of(shard)) <= replicas \
-                and state.domain(lo) not in others:
-            return shard, hi, lo
+    # the most loaded to the least loaded node first; where zones forbid every such move (a
+    # zone of one node must hold a replica of every shard), the next most uneven pair
+    pairs = sorted(((hi, lo) for hi in active for lo in active if load[hi] - load[lo] > 1),
+                   key=lambda p: (load[p[1]] - load[p[0]], p[0], p[1]))
+    for hi, lo in pairs:
+        for shard in a.shards_of(hi):
+            others = {state.domain(n) for n in a.nodes_of(shard) if n != hi}
+            if lo not in a.nodes_of(shard) and len(a.nodes_of(shard)) <= replicas \
+                    and state.domain(lo) not in others:
+                return shard, hi, lo
     return None
 
 

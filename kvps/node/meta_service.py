@@ -248,7 +248,10 @@ class NodeMembership:
         if me is not None:
             await self.node.check_incarnation(me.get("incarnation"))
             await self.node.check_zone(me.get("zone", ""))
-        if me is not None and me["state"] == "removed" and not self.node.replicas:
+        mine = self.node.identity.incarnation if self.node.identity is not None else None
+        # (a replacement whose incarnation is not recorded yet is not the removed node)
+        if me is not None and me["state"] == "removed" and not self.node.replicas \
+                and me.get("incarnation") in (None, mine):
             log.info("node %d: removed from the cluster; exiting", self.node.node_id)
             self.node.request_stop()
 

@@ -371,3 +371,32 @@ def test_a_node_records_its_own_zone():
     assert state.apply({"op": "set_zone", "id": 1, "zone": ""}).result["ok"] and state.domain(1) == "node-1"
     for bad in ({"id": 9, "zone": "a"}, {"id": 1, "zone": 3}, {"id": 1, "zone": "z" * 65}):
         assert isinstance(state.apply({"op": "set_zone", **bad}).result, KvpsError)
+
+
+def test_with_uneven_zones_the_load_is_as_even_as_the_zones_allow():
+    # zone c has one node: it must hold a replica of every shard; a and b share theirs evenly
+    state = MetaState.initial(zoned(["a", "b", "c"], 4))
+    for port, zone in ((9000, "a"), (9100, "b")):
+        n = add_node(state, port)
+        assert state.apply({"op": "set_zone", "id": n, "zone": zone}).result["ok"]
+    settle(state)
+    assert domains_distinct(state)
+    assert state.assignment.load(state.active_nodes()) == {0: 2, 1: 2, 2: 4, 3: 2, 4: 2}
+
+
+def test_a_replacement_makes_a_dead_or_removed_node_active_again_and_nothing_else_does():
+    state = MetaState.initial(cfg(4, 4))
+    for n in range(4):
+        state.apply({"op": "set_incarnation", "id": n, "incarnation": f"old-{n}"})
+    state.apply({"op": "set_node_state", "id": 3, "state": "dead"})
+    settle(state)
+    assert state.apply({"op": "set_node_state", "id": 3, "state": "removed"}).result["ok"]
+    # the same incarnation again (the old disk back): refused by the identity check, stays removed
+    assert isinstance(state.apply({"op": "set_incarnation", "id": 3, "incarnation": "other"}).result, KvpsError)
+    assert state.apply({"op": "set_incarnation", "id": 3, "incarnation": "old-3"}).result["ok"]
+    assert state.nodes[3]["state"] == "removed"
+    # kvps node --replace: a new incarnation naming the old one
+    assert state.apply({"op": "set_incarnation", "id": 3, "incarnation": "new-3", "replaces": "old-3"}).result["ok"]
+    assert state.nodes[3]["state"] == "active"
+    settle(state)
+    assert state.assignment.shards_of(3)  # replicas are placed on it again

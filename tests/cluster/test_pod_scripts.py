@@ -49,6 +49,9 @@ SUPPORTED, WHY = netns.netns_support()
 POD = ROOT / "deploy" / "kubernetes" / "pod"
 NAMESPACE = "training"                      # the pods' Kubernetes namespace (downward API)
 SA_TOKEN = "service-account-token"          # what prestop.sh must send to the API
+# the machines' topology.kubernetes.io/zone labels, read by run.sh (machine-4 has none)
+ZONES = {"machine-0": "zone-a", "machine-1": "zone-b", "machine-2": "zone-c", "machine-3": "zone-d",
+         "machine-4": None}
 REPLICAS = 3                                # cluster.toml's [cluster] replicas
 BIN = Path(sys.executable).parent           # kvps, python3: what the image has on its PATH
 POLL = 0.2                                  # between checks that ask every node (2 cores)
@@ -64,7 +67,8 @@ def dns(n: int) -> str:
 
 
 class FakeApi(ThreadingHTTPServer):
-    """The Kubernetes API as prestop.sh uses it: GET the StatefulSet, answered with ``replicas``."""
+    """The Kubernetes API as the pod scripts use it: GET the StatefulSet (prestop.sh), answered with
+    ``replicas``; GET a machine (run.sh), answered with its zone label."""
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int]) -> None:
@@ -79,6 +83,12 @@ class _ApiHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         if self.headers.get("Authorization") != f"Bearer {SA_TOKEN}":
             return self._reply(401, {"kind": "Status", "code": 401})
+        machine = self.path.removeprefix("/api/v1/nodes/")
+        if machine in ZONES:
+            labels = {"kubernetes.io/hostname": machine}
+            if ZONES[machine]:
+                labels["topology.kubernetes.io/zone"] = ZONES[machine]
+            return self._reply(200, {"kind": "Node", "metadata": {"name": machine, "labels": labels}})
         if self.path != f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/kvps":
             return self._reply(404, {"kind": "Status", "code": 404})
         self.server.asked += 1
@@ -136,21 +146,25 @@ class Pods:
                 f"KVPS_DATA={self.volume(n)}", f"KVPS_CONFIG={self.config}", f"KVPS_SECRET={self.secret}",
                 *extra]
 
+    def _api(self) -> list[str]:
+        """Where the scripts find the Kubernetes API and the ServiceAccount's token."""
+        return [f"KVPS_API=http://{self.topo.hub_address}:{self.api.server_port}", f"KVPS_SERVICEACCOUNT={self.sa}"]
+
     def start(self, n: int, *extra: str) -> subprocess.Popen:
         """The container's command: ``sh run.sh`` (its output appended to the pod's log)."""
         self.phase(f"start kvps-{n} {' '.join(extra)}")
         with open(self.log(n), "ab") as out:
             out.write(f"===== start {' '.join(extra)}\n".encode())
             out.flush()
-            proc = subprocess.Popen(self.topo.exec_args(n, [*self._env(n, *extra), "sh", str(POD / "run.sh")]),
+            env = self._env(n, f"NODE_NAME=machine-{n}", *self._api(), *extra)
+            proc = subprocess.Popen(self.topo.exec_args(n, [*env, "sh", str(POD / "run.sh")]),
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         self.procs[n] = proc
         return proc
 
     def prestop(self, n: int) -> subprocess.CompletedProcess:
         """The preStop hook, as the kubelet runs it inside the container."""
-        env = self._env(n, f"KVPS_API=http://{self.topo.hub_address}:{self.api.server_port}",
-                        f"KVPS_SERVICEACCOUNT={self.sa}")
+        env = self._env(n, *self._api())
         self.phase(f"preStop of kvps-{n} (the StatefulSet has {self.api.replicas} replicas)")
         hook = subprocess.run(self.topo.exec_args(n, [*env, "sh", str(POD / "prestop.sh")]),
                               capture_output=True, text=True, timeout=300, check=False)
@@ -427,6 +441,10 @@ def _scale_to_5(pods: Pods, work: Workload) -> None:
     grown = wait_until(lambda: settled(pods.view, range(5)), 240, "replicas to spread over pods 0-4", period=POLL)
     pods.phase(f"replicas spread over pods 0-4 ({grown['rebalance']['moves_done']} moves)")
     assert sorted(n["host"] for n in grown["nodes"]) == [dns(n) for n in range(5)]
+    # every node runs with its machine's zone label (none where the machine has none)
+    want = {dns(n): ZONES[f"machine-{n}"] or "" for n in range(5)}
+    wait_until(lambda: {node["host"]: node.get("zone", "") for node in (pods.meta() or {"nodes": []})["nodes"]}
+               == want, 30, f"the nodes' zones {want} to be recorded", period=POLL)
     assert all(any(pods.node_id(n) in s["nodes"] for s in grown["assignment"]["shards"]) for n in (3, 4))
     wait_until(lambda: all(pods.ready(n) for n in range(5)), 60, "pods 0-4 to be ready", period=POLL)
     for n in (3, 4):  # a joined pod takes the training job's write token, not only the admin one
