@@ -78,7 +78,9 @@ def write_legacy(path: Path, version: int, added: list) -> None:
 
 
 def segment_files(folder: Path) -> list[Path]:
-    return sorted(folder.glob("raft.journal.seg-*"))
+    """The journal's segment files; not a spare the worker thread is still allocating (it is
+    renamed from ``.new`` once allocated: a listing may race with that rename)."""
+    return sorted(p for p in folder.glob("raft.journal.seg-*") if not p.name.endswith(".new"))
 
 
 def record_at(j: RaftJournal, i: int) -> tuple[Path, int]:
@@ -266,6 +268,7 @@ def test_delete_entries_from_ends_the_log_without_truncating(tmp_path):
     j.deleteEntriesFrom(4)
     j.deleteEntriesFrom(40)  # past the end: nothing
     assert entries(j) == added[:4]
+    j._settle()  # (the worker may be allocating a spare meanwhile)
     assert all(p.stat().st_size == SEGMENT for p in segment_files(tmp_path))
     assert seg.read_bytes()[offset:offset + RECORD] == segments.marker(j._live[-1].epoch)
     assert len(j._live) == 1 and len(j._free) >= 2  # the later ones, free at once
