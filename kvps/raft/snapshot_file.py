@@ -52,9 +52,12 @@ class RaftSnapshot:
     state: bytes | memoryview | Sequence[bytes | memoryview]
 
 
-def write(path: str | Path, snap: RaftSnapshot, *, busy: Callable[[], bool] | None = None) -> None:
+def write(path: str | Path, snap: RaftSnapshot, *, busy: Callable[[], bool] | None = None,
+          reuse: bool = False) -> None:
     """Write ``snap`` to ``path`` and fsync it (at half speed while ``busy()``: see
-    ``write_buffers``)."""
+    ``write_buffers``). ``reuse``: ``path`` is an older snapshot to overwrite in place (its pages
+    are still in the page cache; a new file's would be fresh memory, DESIGN §11), cut to the new
+    size first."""
     parts: list[bytes] = []
     for command, index, term in (snap.last_entry, snap.prev_entry):
         command = bytes(command)
@@ -71,8 +74,10 @@ def write(path: str | Path, snap: RaftSnapshot, *, busy: Callable[[], bool] | No
     for part in parts:
         crc = zlib.crc32(part, crc)
         size += len(part)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (0 if reuse else os.O_TRUNC), 0o644)
     try:
+        if reuse:
+            os.ftruncate(fd, _HEADER.size + size)
         write_buffers(fd, [_HEADER.pack(MAGIC, VERSION, 0, crc, size), *parts], busy=busy)
     finally:
         os.close(fd)

@@ -261,6 +261,33 @@ def test_restart_from_journal_and_snapshot_catches_up(tmp_path):
         c.stop_all()
 
 
+def test_compaction_overwrites_the_snapshot_before_last_in_place(tmp_path):
+    # The replaced snapshot is kept as raft.snapshot.spare and the next compaction writes into it
+    # (same inode: its pages are in the page cache already), never into a new file.
+    c = Cluster(tmp_path, raft=FAST.__class__(**{**FAST.__dict__, "compact_bytes": 32 * 1024}))
+    try:
+        c.start_all()
+        d = c.root / c.addresses[0].replace(":", "_")
+        spare, dump = d / "raft.snapshot.spare", d / "raft.snapshot"
+        seen_spares: set[int] = set()
+        reused = []
+        for i in range(200):
+            c.propose(f"s-{i}-".encode() + b"q" * 8000)
+            if spare.exists():
+                seen_spares.add(spare.stat().st_ino)
+            if dump.exists() and dump.stat().st_ino in seen_spares:
+                reused.append(dump.stat().st_ino)
+                if len(reused) >= 2:
+                    break
+        c.wait_converged()
+        assert len(reused) >= 2, "no compaction wrote into the spare"
+        snap = snapshot_file.read(dump)  # a reused file reads back whole (cut to its new size)
+        assert snap.last_entry[1] > snap.prev_entry[1]
+        assert c.groups[c.addresses[0]].status()["log_entries"] < 100
+    finally:
+        c.stop_all()
+
+
 def test_empty_replica_is_rebuilt_by_snapshot_install(tmp_path):
     c = Cluster(tmp_path, raft=FAST.__class__(**{**FAST.__dict__, "compact_bytes": 32 * 1024}))
     try:
