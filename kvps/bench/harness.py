@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "StepWindow", "Window", "process_cpu_seconds", "run_workers", "steps_in_window", "summarize",
-    "worker_loop",
+    "StepWindow", "Window", "page_cache_bytes", "process_usage", "run_workers", "steps_in_window",
+    "summarize", "worker_loop",
 ]
 
 
@@ -109,14 +109,15 @@ def _entry(target: Callable, args: tuple, ready: mp.Queue, go: mp.Queue, results
 
 def run_workers(target: Callable, args: tuple, n: int, *, warmup: float, seconds: float,
                 setup_timeout: float = 120.0,
-                server_cpu: Callable[[], float] | None = None) -> list[StepWindow]:
+                server: Callable[[], dict[str, float]] | None = None) -> list[StepWindow]:
     """Start ``n`` spawn-ed workers running ``target(rank, *args)``; return their reports.
 
     ``target`` must be a module-level function that sets the worker up and returns a function
     ``run(window) -> StepWindow``. Raises ``RuntimeError`` with the first worker's traceback when
-    one fails; always terminates the processes it started. ``server_cpu()`` (CPU seconds of the
-    system's server processes) is sampled at the window's start and end; the difference lands in
-    every report's ``counters["server_cpu_s"]``.
+    one fails; always terminates the processes it started. ``server()`` (``process_usage`` of the
+    system's server processes) and the machine's page cache are sampled at the window's start and
+    end; the differences land in every report's ``counters`` as ``server_cpu_s``,
+    ``server_minflt`` and ``page_cache_bytes``.
     """
     ctx = mp.get_context("spawn")
     ready, go, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -132,9 +133,10 @@ def run_workers(target: Callable, args: tuple, n: int, *, warmup: float, seconds
         window = Window(go=time.monotonic() + 0.2, warmup=warmup, seconds=seconds)
         for _ in range(n):
             go.put(window)
-        samples: list[float] = []
-        timers = [threading.Timer(max(0.0, t - time.monotonic()), lambda: samples.append(server_cpu()))
-                  for t in (window.start, window.end)] if server_cpu else []
+        samples: list[dict[str, float]] = []
+        sample = lambda: samples.append({**server(), "page_cache_bytes": page_cache_bytes()})  # noqa: E731
+        timers = [threading.Timer(max(0.0, t - time.monotonic()), sample)
+                  for t in (window.start, window.end)] if server else []
         for t in timers:
             t.start()
         reports: dict[int, StepWindow] = {}
@@ -149,7 +151,8 @@ def run_workers(target: Callable, args: tuple, n: int, *, warmup: float, seconds
             rep.counters["window_start"] = window.start
             rep.counters["window_end"] = window.end
             if len(samples) == 2:
-                rep.counters["server_cpu_s"] = samples[1] - samples[0]
+                rep.counters.update({f"server_{k}" if k != "page_cache_bytes" else k: samples[1][k] - v
+                                     for k, v in samples[0].items()})
         return [reports[r] for r in range(n)]
     finally:
         for p in procs:
@@ -161,9 +164,11 @@ def run_workers(target: Callable, args: tuple, n: int, *, warmup: float, seconds
                 p.join()
 
 
-def process_cpu_seconds(match: Callable[[int, int, int], bool]) -> float:
-    """CPU seconds (user + system) of the live processes for which ``match(pid, ppid, sid)``."""
-    total = 0
+def process_usage(match: Callable[[int, int, int], bool]) -> dict[str, float]:
+    """CPU seconds (user + system, ``cpu_s``) and minor page faults (``minflt``: pages the
+    processes touched for the first time, DESIGN §11) of the live processes for which
+    ``match(pid, ppid, sid)``."""
+    ticks = faults = 0
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -174,8 +179,19 @@ def process_cpu_seconds(match: Callable[[int, int, int], bool]) -> float:
             continue
         fields = stat[stat.rfind(")") + 2:].split()
         if match(int(name), int(fields[1]), int(fields[3])):
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+            ticks += int(fields[11]) + int(fields[12])
+            faults += int(fields[7])
+    return {"cpu_s": ticks / os.sysconf("SC_CLK_TCK"), "minflt": faults}
+
+
+def page_cache_bytes() -> int:
+    """The machine's page cache (``Cached`` in /proc/meminfo): what a journal grows when it
+    writes to pages it never wrote before."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Cached:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _get(q: mp.Queue, timeout: float, procs: list, what: str) -> Any:
@@ -199,13 +215,16 @@ def summarize(reports: list[StepWindow], bytes_per_step: int) -> dict[str, float
     seconds = end - start
     lat = sorted(e - s for r in reports for s, e in r.steps if s >= start and e <= end)
     worker_cpu = sum(r.counters.get("cpu_s", 0.0) for r in reports)
-    server_cpu = reports[0].counters.get("server_cpu_s")
+    counters = reports[0].counters
+    server_cpu = counters.get("server_cpu_s")
     cpu = {}
     if server_cpu is not None and steps > 0:
         # worker CPU covers the whole run (warm-up included); scale it to the window
         run_s = max(e for r in reports for _, e in r.steps) - min(s for r in reports for s, _ in r.steps)
         cpu = {"server_cpu_s_per_step": server_cpu / steps,
-               "worker_cpu_s_per_step": worker_cpu * (seconds / run_s) / steps if run_s > 0 else float("nan")}
+               "worker_cpu_s_per_step": worker_cpu * (seconds / run_s) / steps if run_s > 0 else float("nan"),
+               "server_minflt_per_step": counters.get("server_minflt", 0) / steps,
+               "page_cache_mib_per_step": counters.get("page_cache_bytes", 0) / steps / (1 << 20)}
     return {**cpu,
         "steps_per_s": steps / seconds,
         "bytes_per_s": steps * bytes_per_step / seconds,

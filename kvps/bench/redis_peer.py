@@ -68,8 +68,12 @@ def ensure_redis_server(install: bool = False) -> str | None:
 class RedisGroup:
     """``redis-server`` primary + ``replicas`` replicas, stopped on exit (use ``with``)."""
 
-    def __init__(self, data_dir: Path, *, replicas: int = 2, server: str | None = None) -> None:
+    def __init__(self, data_dir: Path, *, replicas: int = 2, server: str | None = None,
+                 appendonly: bool = False) -> None:
         self.data_dir = Path(data_dir)
+        # appendonly: every server logs its writes (AOF) and fsyncs it every second, what a
+        # fair comparison with kvps's journal needs; off, Redis persists nothing
+        self.appendonly = appendonly
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.server = server or ensure_redis_server() or "redis-server"
         self.replicas = replicas
@@ -85,12 +89,17 @@ class RedisGroup:
         port = self.ports[i]
         args = [self.server, "--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "no",
                 "--dir", str(self.data_dir), "--dbfilename", f"dump-{port}.rdb",
-                "--save", "", "--appendonly", "no", "--daemonize", "no",
+                "--save", "", "--daemonize", "no",
                 "--repl-backlog-size", "512mb",
                 "--client-output-buffer-limit", "replica 0 0 0",
                 "--client-output-buffer-limit", "normal 0 0 0",
                 "--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0",
                 "--proto-max-bulk-len", "512mb", "--logfile", str(self.data_dir / f"redis-{port}.log")]
+        if self.appendonly:
+            args += ["--appendonly", "yes", "--appendfsync", "everysec",
+                     "--appendfilename", f"appendonly-{port}.aof", "--appenddirname", f"aof-{port}"]
+        else:
+            args += ["--appendonly", "no"]
         if i > 0:
             args += ["--replicaof", "127.0.0.1", str(self.primary_port)]
         return args
@@ -128,6 +137,16 @@ class RedisGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def read(self, names: list[str]) -> list[np.ndarray]:
+        """The values of ``names`` on the primary (float32)."""
+        import redis
+
+        r = redis.Redis(port=self.primary_port)
+        try:
+            return [np.frombuffer(raw, dtype=np.float32) for raw in r.mget(names)]
+        finally:
+            r.close()
 
     def load(self, names: list[str], values: list[np.ndarray]) -> None:
         import redis

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["derive", "render_markdown", "write_outputs"]
+__all__ = ["b1_limit", "derive", "render_markdown", "write_outputs"]
 
 MB = 1e6
 MiB = 1 << 20
@@ -21,6 +21,15 @@ TARGETS = (
     ("b1_vs_rpc", "B1 kvps steps/s ≥ 0.25 × unreplicated RPC server", ("b1", "ratio_vs_rpc"), 0.25, ">="),
     ("b2_1mib_vs_redis", "B2 kvps bytes/s ≥ 0.3 × Redis at 1 MiB (batched)",
      ("b2", "batched", str(MiB), "ratio_vs_redis"), 0.3, ">="),
+    ("b1_vs_redis_half", "B1 kvps steps/s ≥ 0.5 × Redis", ("b1", "ratio_vs_redis"), 0.5, ">="),
+    ("b1_server_cpu", "B1 kvps server CPU ≤ 400 ms per step",
+     ("b1", "systems", "kvps", "server_cpu_s_per_step"), 0.4, "<="),
+    ("b1_server_faults", "B1 kvps server minor page faults ≤ 2,000 per step",
+     ("b1", "systems", "kvps", "server_minflt_per_step"), 2000, "<="),
+    ("b1_page_cache", "B1 page-cache growth ≤ 1 MiB per step (kvps)",
+     ("b1", "systems", "kvps", "page_cache_mib_per_step"), 1.0, "<="),
+    ("b1_elections", "B1 kvps elections with no fault = 0", ("b1", "systems", "kvps", "role_changes"), 0, "<="),
+    ("b1_retries", "B1 kvps client retries = 0", ("b1", "systems", "kvps", "client_retries"), 0, "<="),
     ("b3_p50", "B3 kill → first commit p50 ≤ 0.5 s", ("b3", "p50_s"), 0.5, "<="),
     ("b3_max", "B3 kill → first commit max ≤ 1.5 s", ("b3", "max_s"), 1.5, "<="),
 )
@@ -45,6 +54,13 @@ def derive(results: dict) -> dict:
                 frac[f"{name}_of_loopback"] = value / b5["loopback_bytes_per_s"]
                 frac[f"{name}_of_memcpy"] = value / b5["memcpy_bytes_per_s"]
         b5["kvps_fraction"] = frac
+        b1 = results.get("b1")
+        model = _get(results, ("meta", "model", "bytes"))
+        if b1 and model:
+            b1["limit"] = b1_limit(model, b5["loopback_bytes_per_s"], b5["memcpy_bytes_per_s"],
+                                   results["meta"].get("cpus") or 1)
+            for sys_ in b1["systems"].values():
+                sys_["fraction_of_limit"] = sys_["steps_per_s"] / b1["limit"]["steps_per_s"]
     targets = []
     for name, what, path, threshold, op in TARGETS:
         value = _get(results, path)
@@ -54,6 +70,27 @@ def derive(results: dict) -> dict:
                         "met": met})
     results["targets"] = targets
     return results
+
+
+# Bytes one B1 step must move with kvps's semantics, in units of the model's size M: over loopback
+# TCP, the push to the leader, the leader's appends to two followers and the pull back (4 M); in
+# memory, three journal writes (3 M), three SGD applies (each reads the gradient and the value and
+# writes the value: 1.5 M of memcpy-equivalent traffic apiece, 4.5 M), one checksum pass per hop
+# (client → leader, leader → each follower: 3 M) and the leader encoding the pull (1 M).
+LIMIT_LOOPBACK_MODELS = 4.0
+LIMIT_MEMORY_MODELS = 3.0 + 4.5 + 3.0 + 1.0
+LIMIT_FORMULA = ("L = cores / (4 M / loopback + 11.5 M / memcpy): M = model bytes; 4 M over loopback "
+                 "(push to the leader, two follower appends, the pull), 11.5 M through memory "
+                 "(3 journal writes, 3 SGD applies at 1.5 M each, 3 checksum passes, 1 pull encode); "
+                 "every core busy, nothing else: an upper bound for any system with these semantics")
+
+
+def b1_limit(model_bytes: int, loopback: float, memcpy: float, cores: int) -> dict[str, Any]:
+    """The physical limit L of B1 steps/s on this machine (``LIMIT_FORMULA``)."""
+    seconds = (LIMIT_LOOPBACK_MODELS * model_bytes / loopback
+               + LIMIT_MEMORY_MODELS * model_bytes / memcpy)  # core-seconds per step
+    return {"steps_per_s": cores / seconds, "core_ms_per_step": 1000 * seconds,
+            "formula": LIMIT_FORMULA, "cores": cores}
 
 
 # ---- markdown -----------------------------------------------------------------------------------
@@ -138,21 +175,38 @@ def _b1_md(r: dict) -> list[str]:
             f"kvps journal fsync policy: `{m.get('kvps_cluster', {}).get('fsync', 'interval')}` "
             "(kvps's default; Redis runs with persistence off)."),
             "",
-            "| system | steps/s | MB/s moved | step p50 ms | server CPU ms/step | worker CPU ms/step | load | semantics |",
-            "|---|---:|---:|---:|---:|---:|---:|---|"]
+            "| system | steps/s | of L | MB/s moved | step p50 ms | server CPU ms/step | worker CPU ms/step "
+            "| server faults/step | page cache MiB/step | updates lost | load | semantics |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     labels = {"kvps": "kvps (3 replicas, exactly-once)", "redis": "Redis primary + 2 replicas, WAIT 2",
-              "rpc": "PyTorch RPC PS (1 copy)", "inmem": "in-memory, 1 process"}
+              "rpc": "PyTorch RPC PS (1 copy)", "inmem": "in-memory, 1 process",
+              "kvps_fsync_never": "kvps, fsync `never`",
+              "redis_aof": "Redis, WAIT 2, `appendonly yes` + `appendfsync everysec` on all three"}
     sem = {"rpc": "unreplicated: a crash loses the model", "inmem": "ceiling: no network, no copies kept"}
-    for name in ("kvps", "redis", "rpc", "inmem"):
+    for name in labels:
         s = b1["systems"].get(name)
         if s is None:
             continue
-        rows.append(f"| {labels[name]} | {_f(s['steps_per_s'])} | {_mb(s['bytes_per_s'])} | "
+        lost = s.get("updates_lost")
+        lost = "–" if lost is None else f"{lost:,} of {s['updates_pushed']:,}"
+        rows.append(f"| {labels[name]} | {_f(s['steps_per_s'])} | {_f(s.get('fraction_of_limit'))} | "
+                    f"{_mb(s['bytes_per_s'])} | "
                     f"{_f(s.get('step_ms_p50'), 0)} | {_ms(s.get('server_cpu_s_per_step'))} | "
-                    f"{_ms(s.get('worker_cpu_s_per_step'))} | {_f(s.get('load_avg'), 1)} | "
+                    f"{_ms(s.get('worker_cpu_s_per_step'))} | {_f(s.get('server_minflt_per_step'), 0)} | "
+                    f"{_f(s.get('page_cache_mib_per_step'), 1)} | {lost} | {_f(s.get('load_avg'), 1)} | "
                     f"{s.get('semantics', sem.get(name, ''))} |")
     ratios = ", ".join(f"{k} = {_f(v)}" for k, v in b1.items() if k.startswith("ratio_vs_"))
     rows += ["", f"kvps steps/s ratios: {ratios or '–'}.", ""]
+    limit = b1.get("limit")
+    if limit:
+        rows += [(f"**Physical limit** L = {_f(limit['steps_per_s'])} steps/s "
+                  f"({_f(limit['core_ms_per_step'], 0)} core-ms per step), from this run's B5 rates: "
+                  f"{limit['formula']}. \"of L\" is each system's steps/s over L."), ""]
+    rows += [("Server faults: minor page faults of the server processes per step (pages touched for "
+              "the first time: on this VM the dearest thing a server does, DESIGN §11); page cache: "
+              "growth of the machine's page cache per step (a journal writing fresh pages). Updates "
+              "lost: pushes whose gradient is missing from the final values (solved from them by "
+              "least squares over each worker's fixed gradient), of all pushes the workers made."), ""]
     kv = b1["systems"].get("kvps")
     if kv and kv.get("wire_bytes"):
         rows += [(f"kvps wire bytes in the whole run (client bodies): {kv['wire_bytes'] / MB:,.0f} MB; "

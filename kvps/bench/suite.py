@@ -13,11 +13,13 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from kvps.bench import limits, raw
-from kvps.bench.harness import process_cpu_seconds, run_workers, summarize
+from kvps.bench.harness import process_usage, run_workers, summarize
 from kvps.bench.plan import Plan
 from kvps.bench.progress import Progress, say
 
@@ -88,7 +90,7 @@ def _b1_rpc(plan: Plan) -> dict:
     try:
         reports = run_workers(rpc_worker, (port, plan.workers, plan.model), plan.workers,
                               warmup=plan.b1_warmup, seconds=plan.b1_seconds,
-                              server_cpu=lambda: process_cpu_seconds(lambda pid, _pp, _s: pid == server.pid))
+                              server=lambda: process_usage(lambda pid, _pp, _s: pid == server.pid))
         return {**summarize(reports, 2 * plan.model.nbytes), "load_avg": _load()}
     finally:
         server.join(timeout=30)
@@ -106,7 +108,7 @@ def _b6_rpc(plan: Plan) -> dict:
     try:
         reports = run_workers(rpc_sparse_worker, (port, plan.workers, plan.b6_work), plan.workers,
                               warmup=plan.b6_warmup, seconds=plan.b6_seconds,
-                              server_cpu=lambda: process_cpu_seconds(lambda pid, _pp, _s: pid == server.pid))
+                              server=lambda: process_usage(lambda pid, _pp, _s: pid == server.pid))
         return _b6_figures(plan, reports)
     finally:
         server.join(timeout=30)
@@ -123,22 +125,16 @@ def _b6_figures(plan: Plan, reports: list) -> dict:
 
 
 def _redis(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dict) -> None:
-    from kvps.bench.redis_peer import RedisGroup, redis_worker
+    from kvps.bench.redis_peer import RedisGroup
 
     with tempfile.TemporaryDirectory(prefix="kvps-bench-redis-") as tmp, RedisGroup(Path(tmp)) as group:
         with progress.phase("start redis"):
             group.start()
         pids = {p.pid for p in group.procs}
-        cpu = lambda: process_cpu_seconds(lambda pid, _pp, _s: pid in pids)
+        usage = lambda: process_usage(lambda pid, _pp, _s: pid in pids)  # noqa: E731
         if "b1" in sections:
             with progress.phase("B1 redis"):
-                group.load(plan.model.names(), plan.model.values())
-                reports = run_workers(redis_worker, (group.primary_port, group.replicas, plan.model),
-                                      plan.workers, warmup=plan.b1_warmup, seconds=plan.b1_seconds,
-                                      server_cpu=cpu)
-                b1["redis"] = {**summarize(reports, 2 * plan.model.nbytes), "load_avg": _load(),
-                               "wait_short": sum(r.counters.get("wait_short", 0) for r in reports),
-                               "semantics": "last-writer-wins: concurrent workers overwrite each other"}
+                b1["redis"] = _b1_redis(plan, group, usage)
         if "b2" in sections:
             with progress.phase("B2 redis"):
                 b2["redis"] = {}
@@ -154,41 +150,43 @@ def _redis(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dic
                 load_redis_rows(group.primary_port, group.replicas, plan.b6_work, plan.workers)
                 reports = run_workers(redis_sparse_worker, (group.primary_port, group.replicas, plan.b6_work),
                                       plan.workers, warmup=plan.b6_warmup, seconds=plan.b6_seconds,
-                                      server_cpu=cpu)
+                                      server=usage)
                 b6["redis"] = {**_b6_figures(plan, reports),
                                "wait_short": sum(r.counters.get("wait_short", 0) for r in reports),
                                "semantics": "last-writer-wins per row"}
+    if "b1" in sections and plan.b1_fairness:
+        # the fairness row: Redis persisting its writes as kvps's journal does (fsync every second)
+        with tempfile.TemporaryDirectory(prefix="kvps-bench-redis-") as tmp, \
+                RedisGroup(Path(tmp), appendonly=True) as group:
+            with progress.phase("start redis (aof)"):
+                group.start()
+            pids = {p.pid for p in group.procs}
+            with progress.phase("B1 redis (aof)"):
+                b1["redis_aof"] = _b1_redis(plan, group,
+                                            lambda: process_usage(lambda pid, _pp, _s: pid in pids))
+
+
+def _b1_redis(plan: Plan, group: Any, usage: Callable) -> dict[str, Any]:
+    from kvps.bench.redis_peer import redis_worker
+    from kvps.bench.workload import updates_lost
+
+    group.load(plan.model.names(), plan.model.values())
+    reports = run_workers(redis_worker, (group.primary_port, group.replicas, plan.model),
+                          plan.workers, warmup=plan.b1_warmup, seconds=plan.b1_seconds, server=usage)
+    return {**summarize(reports, 2 * plan.model.nbytes), "load_avg": _load(),
+            "wait_short": sum(r.counters.get("wait_short", 0) for r in reports),
+            **updates_lost(plan.model, group.read(plan.model.names()), [len(r.steps) for r in reports]),
+            "semantics": "last-writer-wins: concurrent workers overwrite each other"}
 
 
 def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dict, results: dict) -> None:
     from kvps.bench.failover import failover
     from kvps.bench.pulls import pulls
-    from kvps.bench.workload import create_model, kvps_worker
-    from kvps.config import RaftConfig
-    from kvps.node.local import LocalCluster
 
-    with tempfile.TemporaryDirectory(prefix="kvps-bench-") as tmp, \
-            LocalCluster(Path(tmp), nodes=plan.nodes, shards=plan.shards,
-                         raft=RaftConfig(fsync=plan.kvps_fsync)) as cluster:
-        with progress.phase("start kvps"):
-            cluster.start(timeout=120)
-            # the leaders first spread over the nodes (transfers: not elections under load)
-            if not cluster.wait_leaders_spread(30.0):
-                say("kvps: leaders not spread within 30 s; measuring anyway")
-        sessions = lambda: {p.pid for p in cluster.procs.values()}
-        cpu = lambda: process_cpu_seconds(lambda pid, _pp, sid: sid in sessions())
+    with _kvps_cluster(plan, plan.kvps_fsync, progress, "start kvps") as (cluster, usage):
         if "b1" in sections:
             with progress.phase("B1 kvps"):
-                create_model(cluster.endpoints, cluster.token, plan.model)
-                before = _replica_counters(cluster)
-                reports = run_workers(kvps_worker, (cluster.endpoints, cluster.token, plan.model, {}),
-                                      plan.workers, warmup=plan.b1_warmup, seconds=plan.b1_seconds,
-                                      server_cpu=cpu)
-                b1["kvps"] = {**summarize(reports, 2 * plan.model.nbytes), "load_avg": _load(),
-                              "wire_bytes": sum(r.counters.get("wire_bytes", 0) for r in reports),
-                              "client_retries": sum(r.counters.get("retries", 0) for r in reports),
-                              **_b1_server_counters(before, _replica_counters(cluster)),
-                              "semantics": "every push applied exactly once (merged on the leader)"}
+                b1["kvps"] = _b1_kvps(plan, cluster, usage)
         if "b2" in sections:
             with progress.phase("B2 kvps"):
                 b2["kvps"] = {}
@@ -208,7 +206,7 @@ def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dict
                 create_table(cluster.endpoints, cluster.token, plan.b6_work)
                 reports = run_workers(kvps_sparse_worker, (cluster.endpoints, cluster.token, plan.b6_work),
                                       plan.workers, warmup=plan.b6_warmup, seconds=plan.b6_seconds,
-                                      server_cpu=cpu)
+                                      server=usage)
                 b6["kvps"] = {**_b6_figures(plan, reports),
                               "semantics": "every row push applied exactly once"}
         if "b3" in sections:  # last: it kills leaders
@@ -217,6 +215,48 @@ def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dict
                                  "load_avg": _load(),
                                  "model": {"tensors": plan.b3_model.tensors,
                                            "tensor_bytes": plan.b3_model.tensor_bytes}}
+    if "b1" in sections and plan.b1_fairness and plan.kvps_fsync != "never":
+        # the fairness row: Redis persists nothing; this is kvps without fsync
+        with _kvps_cluster(plan, "never", progress, "start kvps (fsync never)") as (cluster, usage):
+            with progress.phase("B1 kvps (fsync never)"):
+                b1["kvps_fsync_never"] = {**_b1_kvps(plan, cluster, usage),
+                                          "semantics": "as kvps; acknowledged pushes survive kill -9, "
+                                                       "not a power loss of a majority"}
+
+
+@contextmanager
+def _kvps_cluster(plan: Plan, fsync: str, progress: Progress, phase: str) -> Iterator[tuple[Any, Callable]]:
+    """A started ``LocalCluster`` of the plan's size with its leaders spread, and the
+    ``process_usage`` sampler of its processes."""
+    from kvps.config import RaftConfig
+    from kvps.node.local import LocalCluster
+
+    with tempfile.TemporaryDirectory(prefix="kvps-bench-") as tmp, \
+            LocalCluster(Path(tmp), nodes=plan.nodes, shards=plan.shards,
+                         raft=RaftConfig(fsync=fsync)) as cluster:
+        with progress.phase(phase):
+            cluster.start(timeout=120)
+            # the leaders first spread over the nodes (transfers: not elections under load)
+            if not cluster.wait_leaders_spread(30.0):
+                say("kvps: leaders not spread within 30 s; measuring anyway")
+        sessions = lambda: {p.pid for p in cluster.procs.values()}  # noqa: E731
+        yield cluster, lambda: process_usage(lambda pid, _pp, sid: sid in sessions())
+
+
+def _b1_kvps(plan: Plan, cluster: Any, usage: Callable) -> dict[str, Any]:
+    from kvps.bench.workload import create_model, kvps_worker, read_model, updates_lost
+
+    create_model(cluster.endpoints, cluster.token, plan.model)
+    before = _replica_counters(cluster)
+    reports = run_workers(kvps_worker, (cluster.endpoints, cluster.token, plan.model, {}),
+                          plan.workers, warmup=plan.b1_warmup, seconds=plan.b1_seconds, server=usage)
+    return {**summarize(reports, 2 * plan.model.nbytes), "load_avg": _load(),
+            "wire_bytes": sum(r.counters.get("wire_bytes", 0) for r in reports),
+            "client_retries": sum(r.counters.get("retries", 0) for r in reports),
+            **_b1_server_counters(before, _replica_counters(cluster)),
+            **updates_lost(plan.model, read_model(cluster.endpoints, cluster.token, plan.model),
+                           [len(r.steps) for r in reports]),
+            "semantics": "every push applied exactly once (merged on the leader)"}
 
 
 def _replica_counters(cluster) -> dict[str, int]:

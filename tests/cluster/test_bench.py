@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from kvps.bench.cli import main as bench_main
@@ -43,11 +44,36 @@ def test_derive_names_ratios_and_targets():
     derive(results)
     met = {t["name"]: t["met"] for t in results["targets"]}
     assert met == {"b1_vs_redis": True, "b1_vs_rpc": None, "b2_1mib_vs_redis": None,
+                   "b1_vs_redis_half": True, "b1_server_cpu": None, "b1_server_faults": None,
+                   "b1_page_cache": None, "b1_elections": None, "b1_retries": None,
                    "b3_p50": False, "b3_max": False}  # median of (0.4, 2.0) is 1.2
+    # L: 4 models over loopback at 3 GB/s + 11.5 models through memory at 6 GB/s, on 2 cores
+    model = 64 << 20
+    limit = 2 / (4 * model / 3e9 + 11.5 * model / 6e9)
+    assert results["b1"]["limit"]["steps_per_s"] == pytest.approx(limit)
+    assert results["b1"]["systems"]["kvps"]["fraction_of_limit"] == pytest.approx(3.0 / limit)
     assert results["b3"]["stall_s"] == pytest.approx([0.4, 0.0])  # 0.5 s step vs 0.1 s median
     assert results["b5"]["kvps_fraction"]["b1_bytes_per_s_of_loopback"] == pytest.approx(0.1)
     md = render_markdown(results)
     assert "| B3 kill → first commit max ≤ 1.5 s | 2.00 | **no** |" in md
+    assert "**Physical limit** L = " in md
+
+
+def test_updates_lost_counts_the_pushes_missing_from_the_final_values():
+    from kvps.bench.workload import LR, Model, updates_lost
+
+    model = Model(tensors=2, tensor_bytes=64 << 10)
+    grads = [model.grads(rank) for rank in range(3)]
+    applied = [5, 7, 3]  # pushes that took effect, per worker
+    final = []
+    for t, value in enumerate(model.values()):
+        for rank, n in enumerate(applied):
+            for _ in range(n):
+                value -= np.float32(LR) * grads[rank][t]
+        final.append(value)
+    assert updates_lost(model, final, applied) == {"updates_pushed": 30, "updates_lost": 0}
+    # worker 1 pushed 9 times but two of them were overwritten, on each of the 2 tensors
+    assert updates_lost(model, final, [5, 9, 3]) == {"updates_pushed": 34, "updates_lost": 4}
 
 
 @pytest.mark.cluster
@@ -62,6 +88,10 @@ def test_tiny_bench_runs_every_section(tmp_path, capsys):
 
     b1 = results["b1"]["systems"]
     assert b1["kvps"]["steps_per_s"] > 0 and b1["inmem"]["steps_per_s"] > 0
+    # exactly-once: every push the workers made is in the final values
+    assert b1["kvps"]["updates_lost"] == 0 and b1["kvps"]["updates_pushed"] > 0
+    assert b1["kvps"]["server_minflt_per_step"] > 0 and "page_cache_mib_per_step" in b1["kvps"]
+    assert 0 < b1["kvps"]["fraction_of_limit"] < 1
     assert results["b1"]["ratio_vs_inmem"] > 0
     assert results["b3"]["kills"] == 1 and 0 < results["b3"]["p50_s"] < 30
     assert results["b4"]["cases"]["unchanged"]["bytes"] < results["b4"]["cases"]["full"]["bytes"] / 100
@@ -78,6 +108,7 @@ def test_tiny_bench_runs_every_section(tmp_path, capsys):
     reason = redis_missing_reason(install=False)
     if reason is None:
         assert b1["redis"]["steps_per_s"] > 0
+        assert 0 <= b1["redis"]["updates_lost"] <= b1["redis"]["updates_pushed"]
         row = results["b2"]["batched"][str(64 << 10)]
         assert row["redis"]["bytes_per_s"] > 0 and row["kvps"]["bytes_per_s"] > 0
         assert math.isfinite(row["ratio_vs_redis"])
