@@ -8,9 +8,11 @@ whose heartbeats must not wait.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
+from collections.abc import Callable
 
 __all__ = ["background_priority", "name_native_thread"]
 
@@ -40,16 +42,25 @@ def background_priority(niceness: int = 10) -> None:
     _lowest_io_priority(tid)
 
 
-def _lowest_io_priority(tid: int) -> None:
+@functools.cache
+def _ioprio_syscall() -> Callable[..., int] | None:
+    """libc's ``syscall`` and ioprio_set's number, looked up once per process (a compaction
+    starts a writer every few seconds under load: loading libc each time showed in profiles)."""
     import ctypes
     import platform
 
     number = _IOPRIO_SET.get(platform.machine())
     if number is None or not sys.platform.startswith("linux"):
+        return None
+    try:
+        return functools.partial(ctypes.CDLL(None, use_errno=True).syscall, number)
+    except (OSError, AttributeError):
+        return None
+
+
+def _lowest_io_priority(tid: int) -> None:
+    syscall = _ioprio_syscall()
+    if syscall is None:
         return
     best_effort, lowest = 2, 7  # IOPRIO_CLASS_BE, level 7 (0 is highest)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.syscall(number, 1, tid, (best_effort << 13) | lowest)  # IOPRIO_WHO_PROCESS (a thread)
-    except (OSError, AttributeError):
-        pass
+    syscall(1, tid, (best_effort << 13) | lowest)  # IOPRIO_WHO_PROCESS (a thread)

@@ -11,6 +11,7 @@ import shutil
 import struct
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -408,12 +409,29 @@ def test_corrupt_snapshot_refuses_to_start(tmp_path):
     data = bytearray((journal / "raft.snapshot").read_bytes())
     data[-1] ^= 0xFF
     (journal / "raft.snapshot").write_bytes(bytes(data))
-    with pytest.raises(CodecError, match="CRC"):
+    with pytest.raises(CodecError, match="checksum"):
         snapshot_file.read(journal / "raft.snapshot")
     c = Cluster(tmp_path)
     with pytest.raises(CodecError):
         c.start(c.addresses[0], journal_dir=journal)
     assert not c.groups
+
+
+def test_a_snapshot_file_summed_with_crc32_still_reads_and_unknown_flags_are_refused(tmp_path):
+    # Files written before FLAG_XXH3 carry flags 0 and a CRC-32 of the body.
+    path = tmp_path / "s"
+    snap = snapshot_file.RaftSnapshot((b"a", 2, 1), (b"b", 1, 1), ("127.0.0.1:9",), b"x" * 100)
+    snapshot_file.write(path, snap)
+    data = bytearray(path.read_bytes())
+    magic, version, flags, _sum, size = struct.unpack_from("<8sHHIQ", data)
+    assert flags == snapshot_file.FLAG_XXH3
+    struct.pack_into("<8sHHIQ", data, 0, magic, version, 0, zlib.crc32(data[24:]), size)
+    path.write_bytes(bytes(data))
+    assert snapshot_file.read(path) == snap
+    struct.pack_into("<8sHHIQ", data, 0, magic, version, 2, zlib.crc32(data[24:]), size)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CodecError, match="flags"):
+        snapshot_file.read(path)
 
 
 @pytest.mark.parametrize("cut", [0, 10, 30])
