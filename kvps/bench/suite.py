@@ -247,13 +247,14 @@ def _b1_kvps(plan: Plan, cluster: Any, usage: Callable) -> dict[str, Any]:
     from kvps.bench.workload import create_model, kvps_worker, read_model, updates_lost
 
     create_model(cluster.endpoints, cluster.token, plan.model)
-    before = _replica_counters(cluster)
+    # the replicas' counters are sampled with the processes' usage, at the window's edges
     reports = run_workers(kvps_worker, (cluster.endpoints, cluster.token, plan.model, {}),
-                          plan.workers, warmup=plan.b1_warmup, seconds=plan.b1_seconds, server=usage)
+                          plan.workers, warmup=plan.b1_warmup, seconds=plan.b1_seconds,
+                          server=lambda: {**usage(), **_replica_counters(cluster)})
     return {**summarize(reports, 2 * plan.model.nbytes), "load_avg": _load(),
             "wire_bytes": sum(r.counters.get("wire_bytes", 0) for r in reports),
             "client_retries": sum(r.counters.get("retries", 0) for r in reports),
-            **_b1_server_counters(before, _replica_counters(cluster)),
+            **_b1_server_counters(reports[0].counters),
             **updates_lost(plan.model, read_model(cluster.endpoints, cluster.token, plan.model),
                            [len(r.steps) for r in reports]),
             "semantics": "every push applied exactly once (merged on the leader)"}
@@ -271,14 +272,14 @@ def _replica_counters(cluster) -> dict[str, int]:
     return total
 
 
-def _b1_server_counters(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    batches = delta.get("batches", 0)
+def _b1_server_counters(counters: dict[str, float]) -> dict[str, float]:
+    """From the replicas' counters' growth over the window (``server_<name>`` in a report)."""
+    batches = counters.get("server_batches", 0)
     return {
         # elections with no fault injected: each one stalls a shard's pushes
-        "role_changes": delta.get("leader_changes", 0),
+        "role_changes": int(counters.get("server_leader_changes", 0)),
         # client push requests per Raft entry: how much the leaders' merging saved
-        "pushes_per_entry": delta.get("batched_pushes", 0) / batches if batches else float("nan"),
+        "pushes_per_entry": counters.get("server_batched_pushes", 0) / batches if batches else float("nan"),
     }
 
 

@@ -71,11 +71,18 @@ def kvps_worker(rank: int, endpoints: list[str], token: str, model: Model,
     def run(window: Window) -> StepWindow:
         out = StepWindow()
         sent0, recv0 = client.stats.bytes_sent, client.stats.bytes_received
+        retries0: list[int] = []  # the client's retries when the first step in the window began
+
+        def counted_step() -> None:
+            if not retries0 and time.monotonic() >= window.start:
+                retries0.append(client.stats.retries)
+            loop.run_until_complete(step())
+
         try:
-            worker_loop(lambda: loop.run_until_complete(step()), window, out)
+            worker_loop(counted_step, window, out)
         finally:
             out.counters.update(wire_bytes=client.stats.bytes_sent - sent0 + client.stats.bytes_received - recv0,
-                                retries=client.stats.retries)
+                                retries=client.stats.retries - (retries0 or [client.stats.retries])[0])
             loop.run_until_complete(client.aclose())
             loop.close()
         return out
