@@ -31,10 +31,10 @@ class Plan:
     nodes: int = 3
     shards: int = 8
     # The journal's fsync policy for the kvps cluster: kvps's default. The Redis peer persists
-    # nothing, but "never" is not the faster choice for kvps: without the 50 ms fdatasyncs, B1's
-    # journal writes pile up as dirty pages until the kernel throttles them, pwrite blocks on the
-    # tick threads and heartbeats are missed (measured back to back: 78 elections and 1.66 steps/s
-    # with "never", 0 and 2.43 with "interval"). `kvps bench --fsync never` runs it anyway.
+    # nothing; the full plan's fairness row runs kvps with "never" beside it. (With compactions
+    # every 256 MiB, "never" let dirty journal pages pile up until the kernel throttled the tick
+    # threads: 78 elections and 1.66 steps/s vs 0 and 2.43; with every 32 MiB the two tie, 2.68
+    # vs 2.70 steps/s.) `kvps bench --fsync never` runs it for every section.
     kvps_fsync: str = "interval"
     # B2: payload sizes, seconds per (system, size, batching).
     b2_sizes: tuple[int, ...] = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB)
