@@ -125,13 +125,7 @@ def _b6_figures(plan: Plan, reports: list) -> dict:
 
 
 def _redis(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dict) -> None:
-    from kvps.bench.redis_peer import RedisGroup
-
-    with tempfile.TemporaryDirectory(prefix="kvps-bench-redis-") as tmp, RedisGroup(Path(tmp)) as group:
-        with progress.phase("start redis"):
-            group.start()
-        pids = {p.pid for p in group.procs}
-        usage = lambda: process_usage(lambda pid, _pp, _s: pid in pids)  # noqa: E731
+    with _redis_group(False, progress, "start redis") as (group, usage):
         if "b1" in sections:
             with progress.phase("B1 redis"):
                 b1["redis"] = _b1_redis(plan, group, usage)
@@ -156,14 +150,22 @@ def _redis(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dic
                                "semantics": "last-writer-wins per row"}
     if "b1" in sections and plan.b1_fairness:
         # the fairness row: Redis persisting its writes as kvps's journal does (fsync every second)
-        with tempfile.TemporaryDirectory(prefix="kvps-bench-redis-") as tmp, \
-                RedisGroup(Path(tmp), appendonly=True) as group:
-            with progress.phase("start redis (aof)"):
-                group.start()
-            pids = {p.pid for p in group.procs}
+        with _redis_group(True, progress, "start redis (aof)") as (group, usage):
             with progress.phase("B1 redis (aof)"):
-                b1["redis_aof"] = _b1_redis(plan, group,
-                                            lambda: process_usage(lambda pid, _pp, _s: pid in pids))
+                b1["redis_aof"] = _b1_redis(plan, group, usage)
+
+
+@contextmanager
+def _redis_group(appendonly: bool, progress: Progress, phase: str) -> Iterator[tuple[Any, Callable]]:
+    """A started Redis primary + 2 replicas and the ``process_usage`` sampler of its servers."""
+    from kvps.bench.redis_peer import RedisGroup
+
+    with tempfile.TemporaryDirectory(prefix="kvps-bench-redis-") as tmp, \
+            RedisGroup(Path(tmp), appendonly=appendonly) as group:
+        with progress.phase(phase):
+            group.start()
+        pids = {p.pid for p in group.procs}
+        yield group, lambda: process_usage(lambda pid, _pp, _s: pid in pids)
 
 
 def _b1_redis(plan: Plan, group: Any, usage: Callable) -> dict[str, Any]:
