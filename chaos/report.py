@@ -22,8 +22,14 @@ def build_report(state: Any, wl: Any, final: dict, convergence: dict, train: dic
     for name, steps in train.items():
         records += [OpRecord("train", -1, name, s["t0"], s["t1"], s["ok"], s.get("error")) for s in steps]
     faults = [f.to_dict() for f in state.fault_records]
+    starts = sorted(f["start"] for f in faults)
     for f in faults:
-        f["elections_after_heal"] = _elections_after_heal(f, state.leader_events)
+        # the window after a heal ends where the next fault begins: a leader the next fault cuts
+        # off is deposed by that fault, not by this heal
+        until = next((t for t in starts if t > f["start"]), None)
+        f["elections_after_heal"] = _elections_after_heal(f, state.leader_events, until=until)
+        f["transfers_after_heal"] = _elections_after_heal(f, state.leader_events, until=until,
+                                                          transfers=True)
     recoveries = checks.failovers(faults, records, opts.shards)
     for f, r in zip(faults, recoveries):
         f["recovery_s"] = r["recovery_s"]
@@ -66,14 +72,22 @@ def build_report(state: Any, wl: Any, final: dict, convergence: dict, train: dic
     }
 
 
-def _elections_after_heal(fault: dict, events: list[dict], window: float = 3.0) -> int | None:
-    """Leader or term changes on a cut shard within ``window`` s after the cut healed. Raft with
-    PreVote (``kvps.raft.prevote``; pysyncobj 0.3.17 has none) has none: a rejoining replica
-    whose term grew while it was cut off would otherwise depose a healthy leader."""
+def _elections_after_heal(fault: dict, events: list[dict], window: float = 3.0,
+                         until: float | None = None, transfers: bool = False) -> int | None:
+    """Leader or term changes on a cut shard within ``window`` s after the cut healed, and before
+    ``until`` (the next fault's start). Raft with PreVote (``kvps.raft.prevote``; pysyncobj
+    0.3.17 has none) has none: a rejoining replica whose term grew while it was cut off would
+    otherwise depose a healthy leader.
+
+    A change whose new leader says it won by a transfer (``won_by``: the previous leader asked,
+    as the leader spreader does once leader changes have settled) is no election: it is counted
+    apart (``transfers=True``), not hidden. A change to "no serving leader" counts as an election."""
     if fault["kind"] not in ("partition-leader", "isolate-follower") or fault["end"] is None:
         return None
+    last = fault["end"] + window if until is None else min(fault["end"] + window, until)
     return sum(1 for e in events if e["shard"] == fault["shard"]
-               and fault["end"] - 0.05 <= e["t"] <= fault["end"] + window)
+               and fault["end"] - 0.05 <= e["t"] <= last
+               and (e.get("won_by") == "transfer") == transfers)
 
 
 def _by_kind(faults: list[dict]) -> dict[str, dict]:
@@ -151,8 +165,10 @@ def _rejoins(faults: list[dict]) -> str:
     if not cuts:
         return "no partitions or isolations ran"
     disrupted = sum(1 for f in cuts if f["elections_after_heal"])
-    why = " (a rejoining replica with a higher term deposed the leader)" if disrupted else ""
-    return f"{disrupted} of {len(cuts)}{why}"
+    why = " (the leader was deposed right after a heal)" if disrupted else ""
+    moved = sum(1 for f in cuts if f.get("transfers_after_heal"))
+    also = f"; {moved} more followed by a leadership transfer (leaders spreading)" if moved else ""
+    return f"{disrupted} of {len(cuts)}{why}{also}"
 
 
 def _fmt(v: Any) -> str:

@@ -259,7 +259,8 @@ async def _monitor(state: RunState, cluster: ChaosCluster, wl: Workloads, progre
             who = (rep["node"], rep.get("term")) if rep else None
             if shard in last and who != last[shard]:
                 state.leader_events.append({"t": now, "shard": shard, "node": who and who[0],
-                                            "term": who and who[1]})
+                                            "term": who and who[1],
+                                            "won_by": rep.get("won_by") if rep else None})
             last[shard] = who
         acked = sum(t.acked for t in wl.tally.values())
         progress.update(now - state.workload_start, len(state.fault_records), acked,

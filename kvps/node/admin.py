@@ -117,7 +117,7 @@ def node_view(node: "Node") -> dict[str, Any]:
             "pid": rp.proc.pid if alive else None, "restarts": rp.restarts,
             "raft": node.cfg.node(node.node_id).raft_address(rp.shard),
             "data_url": node.cfg.node(node.node_id).data_url(rp.shard),
-            "role": st.get("role", "unknown"), "term": st.get("term"),
+            "role": st.get("role", "unknown"), "term": st.get("term"), "won_by": st.get("won_by"),
             "leader": st.get("leader"), "serving": st.get("serving", False),
             "commit_index": st.get("commit_index"), "applied_index": st.get("applied_index"),
             "log_entries": st.get("log_entries"), "recovering": st.get("recovering", False),

@@ -29,6 +29,11 @@ REPLICA_VIEW = {
         "shard": _int, "node": _int, "alive": _bool, "pid": _opt_int, "restarts": _int,
         "role": {"enum": ["leader", "follower", "candidate", "unknown"]},
         "raft": _str, "data_url": _str, "term": _opt_int, "leader": _opt_int,
+        "won_by": {"enum": ["election", "transfer", "fast-failover", None],
+                   "description": "how this replica won the leadership it holds: an election "
+                   "(after a pre-vote majority), a transfer the previous leader asked for (a "
+                   "move, the leader spreader) or a fast failover (the leader's process was "
+                   "gone); null unless it leads"},
         "serving": _bool, "commit_index": _opt_int, "applied_index": _opt_int,
         "log_entries": _opt_int,
         "recovering": {**_bool, "description": "its lost data was replaced, or its journal was "

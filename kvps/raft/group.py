@@ -140,6 +140,7 @@ class ShardGroup(SyncObj):
         self._applier = applier
         self._on_role_change = on_role_change
         self._role = "follower"
+        self._won_by: str | None = None
         self._pending: dict[int, Callable[[Any, int], None]] = {}
         self._pending_lock = threading.Lock()
         self._tokens = itertools.count()
@@ -335,6 +336,9 @@ class ShardGroup(SyncObj):
         leader = self.leader_address()
         return {
             "role": self._role,
+            # how this replica won the leadership it holds: "election", "transfer" (asked by
+            # the previous leader: a move, the leader spreader) or "fast-failover"; None unless leader
+            "won_by": self._won_by if self._role == "leader" else None,
             "term": self.term(),
             "leader": leader,
             "commit_index": self.raftCommitIndex,
@@ -392,6 +396,10 @@ class ShardGroup(SyncObj):
 
     def _on_state_changed(self, old: int, new: int) -> None:
         self._role = internals.ROLES.get(new, "follower")
+        if self._role == "candidate":
+            self._prevote.on_candidate()
+        elif self._role == "leader":
+            self._won_by = self._prevote.on_leader()
         if self._on_role_change is None:
             return
         try:

@@ -95,6 +95,11 @@ class PreVote:
         self._grants: set[str] = set()  # addresses that granted the current round, ours included
         self._release: float | None = None  # the deadline pysyncobj may start an election at
         self._leader_heard = float("-inf")  # monotonic time of the last append from a leader
+        # How the election last let through started: "election" (a pre-vote majority, or a
+        # group of one), "transfer" (the leader's timeout_now) or "fast-failover" (the leader's
+        # process is gone). ShardGroup reads it when this replica becomes leader ("won_by").
+        self.last_start: str | None = None
+        self._standing = "election"  # how the election in progress started (on_candidate)
         # asked: rounds started; won: rounds that reached a majority (an election followed);
         # avoided: rounds that ended without one (no term raised); granted / refused: answers
         # this replica gave to others; bypassed: elections started without a round (transfer,
@@ -119,6 +124,7 @@ class PreVote:
         if internals.transfer_in_progress(group) or not group.otherNodes:
             self._release = deadline  # the leader asked (timeout_now), or a group of one
             self.counters["bypassed"] += 1
+            self.last_start = "transfer" if group.otherNodes else "election"
             return
         self.ask(now)
 
@@ -126,6 +132,7 @@ class PreVote:
         """The election deadline just set (fast failover: the leader is dead) needs no round."""
         self._release = internals.election_deadline(self._group)
         self.counters["bypassed"] += 1
+        self.last_start = "fast-failover"
 
     def ask(self, now: float) -> None:
         """Start a round now (``before_tick`` does when the deadline is due)."""
@@ -145,6 +152,19 @@ class PreVote:
         # Silent for an election timeout: forget the leader (pysyncobj does when it stands).
         internals.forget_leader(group)
         internals.set_election_deadline(group, now + internals.stock_generate_raft_timeout(group))
+
+    def on_candidate(self) -> None:
+        """pysyncobj just started an election here (tick thread): note how it was let through;
+        one it started unasked (see ``_EARLY``) was an election all the same."""
+        self._standing = self.last_start or "election"
+        self.last_start = None
+
+    def on_leader(self) -> str:
+        """This replica just won: how its latest election started. A candidate that stands
+        again starts without a state change, so a release since ``on_candidate`` is the newer."""
+        standing = self.last_start or self._standing
+        self.last_start = None
+        return standing
 
     def _close(self) -> None:
         if self._open:
@@ -169,6 +189,7 @@ class PreVote:
             if isinstance(term, int) and term >= internals.current_term(self._group):
                 self._leader_heard = monotonic()
                 self._close()
+                self.last_start = None  # a leader leads: no election of ours is let through
         return False
 
     def hears_leader(self, now: float | None = None) -> bool:
@@ -218,6 +239,7 @@ class PreVote:
             release = monotonic()
             internals.set_election_deadline(group, release)
             self._release = release
+            self.last_start = "election"
             logger.info("raft pre-vote for term %d granted by %d of %d members: standing for "
                         "election", self._asked_term, len(self._grants), members)
 

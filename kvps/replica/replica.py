@@ -366,7 +366,8 @@ class Replica:
         return {
             "shard": self.shard, "node": self.node_id, "pid": os.getpid(), "raft": self.address,
             "data_url": self.cfg.node(self.node_id).data_url(self.shard),
-            "role": st["role"], "term": st["term"], "leader": self._node_of(leader),
+            "role": st["role"], "term": st["term"], "won_by": st.get("won_by"),
+            "leader": self._node_of(leader),
             "leader_url": self.data_url_of(leader) if leader else None,
             "serving": st["role"] == "leader" and self.leadership.serving(st["term"]),
             "commit_index": st["commit_index"], "applied_index": st["applied_index"],

@@ -185,7 +185,7 @@ def test_report_of_a_failing_run_names_every_failure(tmp_path):
     write_report(report, tmp_path)
     md = (tmp_path / "report.md").read_text()
     assert "FAILED" in md and "--seed 9" in md and "kill-leader" in md
-    assert report["faults"][1]["elections_after_heal"] == 1 and "| 1 of 1 (a rejoining" in md
+    assert report["faults"][1]["elections_after_heal"] == 1 and "| 1 of 1 (the leader was deposed" in md
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
 
 
@@ -203,3 +203,25 @@ def test_raft_log_findings_name_every_replica_that_truncated_applied_entries(tmp
     assert len(found) == 1 and found[0].startswith("node-1/logs/shard-2.log: ")
     assert "index 4" in found[0]
     assert checks.raft_log_findings(tmp_path / "missing") == []
+
+
+def test_a_leadership_transfer_after_a_heal_is_counted_apart_from_elections():
+    """The leader spreader may hand a shard over right after a cut heals; the report names that
+    a transfer, and an election (or a moment without a serving leader) still counts as one."""
+    from kvps_chaos.report import _elections_after_heal, _rejoins
+
+    cut = {"kind": "isolate-follower", "shard": 0, "end": 10.0}
+    transfer = {"t": 11.0, "shard": 0, "node": 1, "term": 5, "won_by": "transfer"}
+    election = {"t": 11.5, "shard": 0, "node": 2, "term": 6, "won_by": "election"}
+    gap = {"t": 12.0, "shard": 0, "node": None, "term": None, "won_by": None}
+    other = {"t": 11.0, "shard": 1, "node": 1, "term": 5, "won_by": "election"}
+    late = {"t": 13.5, "shard": 0, "node": 0, "term": 7, "won_by": "election"}
+    assert _elections_after_heal(cut, [transfer, other, late]) == 0
+    assert _elections_after_heal(cut, [transfer, other, late], transfers=True) == 1
+    assert _elections_after_heal(cut, [transfer, election, gap]) == 2
+    assert _elections_after_heal({**cut, "kind": "kill-leader"}, [election]) is None
+    # the next fault began at 11.2: the election at 11.5 is that fault's doing, not this heal's
+    assert _elections_after_heal(cut, [transfer, election, gap], until=11.2) == 0
+    faults = [{**cut, "elections_after_heal": 0, "transfers_after_heal": 1},
+              {**cut, "elections_after_heal": 0, "transfers_after_heal": 0}]
+    assert _rejoins(faults) == "0 of 2; 1 more followed by a leadership transfer (leaders spreading)"

@@ -605,6 +605,7 @@ def test_leader_death_elects_a_new_leader_well_before_the_election_timeout(tmp_p
         assert new.term() > term and new.leader_reachable()
         assert sum(g.status()["fast_failovers"] for g in survivors) >= 1
         assert sum(g.transport_stats()["peers_gone"] for g in survivors) >= 1
+        assert new.status()["won_by"] == "fast-failover"
         c.propose(b"after")
         assert c.wait_converged() == [b"before", b"after"]
     finally:

@@ -248,6 +248,7 @@ def test_a_pre_vote_is_refused_while_the_leader_lives_and_granted_once_it_is_gon
         survivors = [asker, other]
         assert sum(g.status()["pre_votes"]["won"] for g in survivors) >= 1
         assert sum(g.status()["pre_votes"]["granted"] for g in survivors) >= 1
+        assert new.status()["won_by"] == "election"
         c.propose(b"after")
         assert c.wait_converged() == [b"before", b"after"]
     finally:
@@ -259,8 +260,9 @@ def test_a_group_of_one_and_a_leadership_transfer_elect_without_asking(tmp_path)
     try:
         alone.start_all()
         assert alone.propose(b"x", timeout=10) == 1
-        st = alone.leader().status()["pre_votes"]
-        assert st["asked"] == 0 and st["bypassed"] >= 1
+        st = alone.leader().status()
+        assert st["pre_votes"]["asked"] == 0 and st["pre_votes"]["bypassed"] >= 1
+        assert st["won_by"] == "election"
     finally:
         alone.stop_all()
     c = Cluster(tmp_path / "three")
@@ -276,5 +278,9 @@ def test_a_group_of_one_and_a_leadership_transfer_elect_without_asking(tmp_path)
         wait_for(target.is_leader, 10, "the target to lead")
         st = target.status()["pre_votes"]
         assert st["bypassed"] >= 1 and st["asked"] == asked
+        # status says how the leadership was won (the chaos report tells transfers from elections)
+        assert target.status()["won_by"] == "transfer"
+        wait_for(lambda: not leader.is_leader(), 10, "the old leader to step down")
+        assert leader.status()["won_by"] is None
     finally:
         c.stop_all()
