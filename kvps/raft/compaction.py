@@ -94,6 +94,7 @@ class Compaction:
         self._snapshot_state = snapshot_state
         self._restore_state = restore_state
         self._writer: _Writer | None = None  # the writer in flight, if any
+        self._install_leader: str | None = None  # the sender of a snapshot being installed
         self._installs = 0  # snapshots installed from a leader (a running compaction is then stale)
         self._applied_bytes = 0  # command bytes applied since the last compaction was forced
         self._state_bytes = 0  # size of the last snapshot written or loaded (compaction pacing)
@@ -136,6 +137,23 @@ class Compaction:
         finally:
             if replaced is not None:
                 _unlink_in_background([replaced])
+
+    @contextmanager
+    def installing_from(self, leader: str) -> Iterator[None]:
+        """Around the install of a snapshot sent by ``leader``: ``deserialize`` keeps it among the
+        members it returns. A snapshot lists the members of its own time, and a leader that joined
+        later (a move, a lost node's replacement) sends the one it was given, which does not name
+        it; pysyncobj would set the installer's members to that list, drop its own leader and
+        refuse its connection, so the entries that add the leader would never arrive. Members
+        the snapshot names that have left since stay until those later entries remove them, as
+        they would for a follower that replays its log. The superset only lasts until those
+        entries arrive from the leader this replica is hearing, and while it hears a live leader
+        PreVote keeps it from standing for election with it."""
+        self._install_leader = leader
+        try:
+            yield
+        finally:
+            self._install_leader = None
 
     def serialize(self, path: str, data: tuple) -> None:
         """pysyncobj's serializer hook (tick thread): take the state's view, start the writer."""
@@ -219,9 +237,15 @@ class Compaction:
         self._applied_bytes = 0
         self._state_bytes = len(snap.state)
         self._installs += 1
+        members = set(snap.members)
+        leader = self._install_leader
+        if leader is not None and leader not in members:
+            members.add(leader)
+            logger.info("raft snapshot from %s predates its membership (it names %s): kept the "
+                        "leader among the members", leader, ", ".join(snap.members))
         logger.info("raft snapshot loaded: entry %d, %d state bytes", snap.last_entry[1],
                     len(snap.state))
-        return snap.last_entry, snap.prev_entry, {TCPNode(m) for m in snap.members}
+        return snap.last_entry, snap.prev_entry, {TCPNode(m) for m in sorted(members)}
 
 
 class _Writer:

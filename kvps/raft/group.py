@@ -205,8 +205,9 @@ class ShardGroup(SyncObj):
             internals.stock_on_message_received(self, node, message)
             return
         # pysyncobj renames the received snapshot over ours on this thread now; freeing ours
-        # must not happen here (kvps.raft.compaction).
-        with self._compaction.replacing_dump():
+        # must not happen here (kvps.raft.compaction). It then sets our members to the
+        # snapshot's, which may predate the leader sending it: the leader is kept among them.
+        with self._compaction.replacing_dump(), self._compaction.installing_from(node.address):
             internals.stock_on_message_received(self, node, message)
 
     def _SyncObj__generateRaftTimeout(self) -> float:  # noqa: N802

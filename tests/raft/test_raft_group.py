@@ -812,3 +812,61 @@ def test_the_raft_threads_carry_kernel_visible_names(cluster):
                 pass
         return out
     wait_for(lambda: {"raft-tick", "journal-sync"} <= names(), 10, "named Raft threads")
+
+
+def test_a_follower_installing_a_snapshot_older_than_its_leader_keeps_hearing_that_leader(tmp_path):
+    """A snapshot lists the members as they were when it was taken. A replica that joined later
+    (a move, a dead node's replacement) and then leads sends its followers the snapshot it was
+    given, which does not name it. pysyncobj sets a follower's members from the snapshot it
+    installs, so the follower dropped its own leader and refused its connection: it never heard
+    of the entries that add the leader (the soak's wiped replica waited 65 s, until that leader
+    lost its majority). The installer keeps the leader it installed from among its members."""
+    raft = RaftConfig(election_timeout_min=0.3, election_timeout_max=0.6, heartbeat_period=0.05,
+                      leader_fallback_timeout=0.6, connection_timeout=1.5, connection_retry=0.1,
+                      compact_entries=100_000)  # compactions only when forced here
+    c = Cluster(tmp_path, n=4, raft=raft)
+    a, b, old, new = c.addresses
+    try:
+        c.addresses = [a, b, old]
+        c.start_all()
+        for i in range(20):
+            c.propose(b"before-%d" % i)
+        c.wait_converged()
+        for g in c.groups.values():  # every snapshot now lists a, b and old
+            g.forceLogCompaction()
+        wait_for(lambda: all(g.status()["compactions"]["succeeded"] >= 1 for g in c.groups.values()),
+                 20, "every replica to compact")
+        leader = c.leader()
+        if leader.selfNode.address == old:
+            on_tick_thread(leader, lambda: leader.transferLeadership(a))
+            wait_for(lambda: c.groups[a].is_leader(), 10, "a to lead")
+            leader = c.groups[a]
+        assert propose_membership(leader, "remove", old)
+        c.stop(old)
+        c.addresses = [a, b, new]
+        c.start(new)  # empty: installs the leader's snapshot, which names a, b and old
+        assert propose_membership(leader, "add", new)
+        c.propose(b"after-add")
+        c.wait_converged()
+        assert c.groups[new].status()["compactions"]["succeeded"] == 0  # still the snapshot it got
+        wait_for(lambda: leader.peer_progress()[new]["match_index"] == leader.raftCommitIndex,
+                 what="the new member to hold the whole log")
+        on_tick_thread(leader, lambda: leader.transferLeadership(new))
+        wait_for(lambda: c.groups[new].is_leader(), 10, "the new member to lead")
+
+        c.stop(b)  # b loses its data and comes back empty: new sends it new's snapshot
+        shutil.rmtree(tmp_path / b.replace(":", "_"))
+        c.start(b)
+        c.propose(b"after-wipe")
+        seq = c.wait_converged(timeout=20)
+        assert seq[-2:] == [b"after-add", b"after-wipe"], seq
+        assert sorted(n.address for n in c.groups[b].otherNodes) == sorted([a, new])
+    finally:
+        c.stop_all()
+
+
+def propose_membership(leader: ShardGroup, op: str, address: str, timeout: float = 20.0) -> bool:
+    done, box = threading.Event(), []
+    method = leader.addNodeToCluster if op == "add" else leader.removeNodeFromCluster
+    method(address, callback=lambda r, e: (box.append(e), done.set()))
+    return done.wait(timeout) and box == [0]
