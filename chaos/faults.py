@@ -38,6 +38,7 @@ class FaultRecord:
     node: int | None = None
     detail: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    invoked: float | None = None    # when its action began (``start`` is when it took effect)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -342,7 +343,8 @@ async def run_schedule(ctx: FaultContext, kinds: list[str], deadline: float,
             return
         await asyncio.sleep(pause)  # schedule pacing (the quiet period), not synchronisation
         kind = order.pop(0) if order else ctx.rng.choice(kinds)
-        rec = FaultRecord(kind, time.monotonic())
+        invoked = time.monotonic()
+        rec = FaultRecord(kind, invoked, invoked=invoked)
         records.append(rec)
         ctx.log(f"inject {kind}")
         try:

@@ -22,12 +22,15 @@ def build_report(state: Any, wl: Any, final: dict, convergence: dict, train: dic
     for name, steps in train.items():
         records += [OpRecord("train", -1, name, s["t0"], s["t1"], s["ok"], s.get("error")) for s in steps]
     faults = [f.to_dict() for f in state.fault_records]
-    starts = sorted(f["start"] for f in faults)
+    # the window after a heal ends where the next fault began (its action, which comes before its
+    # effect is stamped as "start"): a leader the next fault cuts off is deposed by that fault
+    begun = sorted(f["invoked"] if f.get("invoked") is not None else f["start"] for f in faults)
     for f in faults:
-        # the window after a heal ends where the next fault begins: a leader the next fault cuts
-        # off is deposed by that fault, not by this heal
-        until = next((t for t in starts if t > f["start"]), None)
-        f["elections_after_heal"] = _elections_after_heal(f, state.leader_events, until=until)
+        until = next((t for t in begun if t > f["start"]), None)
+        late = _late_failover(f, state.leader_events)
+        f["failover_after_heal"] = late is not None if f["kind"] == "partition-leader" else None
+        f["elections_after_heal"] = _elections_after_heal(f, state.leader_events, until=until,
+                                                          skip=late)
         f["transfers_after_heal"] = _elections_after_heal(f, state.leader_events, until=until,
                                                           transfers=True)
     recoveries = checks.failovers(faults, records, opts.shards)
@@ -46,7 +49,7 @@ def build_report(state: Any, wl: Any, final: dict, convergence: dict, train: dic
                         f"had applied (diverged state machines): {state.raft_findings[0]}")
     rel = lambda t: None if t is None else round(t - t0, 3)  # noqa: E731 - times relative to the start
     for f in faults:
-        for k in ("start", "end", "ready"):
+        for k in ("start", "end", "ready", "invoked"):
             f[k] = rel(f[k])
     times = [r["recovery_s"] for r in recoveries if r["recovery_s"] is not None]
     return {
@@ -73,7 +76,8 @@ def build_report(state: Any, wl: Any, final: dict, convergence: dict, train: dic
 
 
 def _elections_after_heal(fault: dict, events: list[dict], window: float = 3.0,
-                         until: float | None = None, transfers: bool = False) -> int | None:
+                         until: float | None = None, transfers: bool = False,
+                         skip: dict | None = None) -> int | None:
     """Leader or term changes on a cut shard within ``window`` s after the cut healed, and before
     ``until`` (the next fault's start). Raft with PreVote (``kvps.raft.prevote``; pysyncobj
     0.3.17 has none) has none: a rejoining replica whose term grew while it was cut off would
@@ -81,13 +85,30 @@ def _elections_after_heal(fault: dict, events: list[dict], window: float = 3.0,
 
     A change whose new leader says it won by a transfer (``won_by``: the previous leader asked,
     as the leader spreader does once leader changes have settled) is no election: it is counted
-    apart (``transfers=True``), not hidden. A change to "no serving leader" counts as an election."""
+    apart (``transfers=True``), not hidden. A change to "no serving leader" counts as an election.
+    ``skip`` is the cut's own failover when it finished only after the heal (``_late_failover``):
+    the election the fault itself causes, counted apart too."""
     if fault["kind"] not in ("partition-leader", "isolate-follower") or fault["end"] is None:
         return None
     last = fault["end"] + window if until is None else min(fault["end"] + window, until)
-    return sum(1 for e in events if e["shard"] == fault["shard"]
+    return sum(1 for e in events if e["shard"] == fault["shard"] and e is not skip
                and fault["end"] - 0.05 <= e["t"] <= last
                and (e.get("won_by") == "transfer") == transfers)
+
+
+def _late_failover(fault: dict, events: list[dict], window: float = 3.0) -> dict | None:
+    """The election a leader's partition causes, when the majority side had not finished it
+    before the cut healed (a short hold; the first new leader can come ~2 s into the cut): the
+    first change on that shard after the heal to a leader other than the cut one, provided none
+    happened during the cut. None when the failover finished in time, or for other faults."""
+    if fault["kind"] != "partition-leader" or fault["end"] is None:
+        return None
+    begun = fault["invoked"] if fault.get("invoked") is not None else fault["start"]
+    mine = [e for e in events if e["shard"] == fault["shard"] and e.get("won_by") != "transfer"
+            and e["node"] is not None and e["node"] != fault["node"]]
+    if any(begun <= e["t"] < fault["end"] - 0.05 for e in mine):
+        return None
+    return next((e for e in mine if fault["end"] - 0.05 <= e["t"] <= fault["end"] + window), None)
 
 
 def _by_kind(faults: list[dict]) -> dict[str, dict]:
@@ -168,6 +189,10 @@ def _rejoins(faults: list[dict]) -> str:
     why = " (the leader was deposed right after a heal)" if disrupted else ""
     moved = sum(1 for f in cuts if f.get("transfers_after_heal"))
     also = f"; {moved} more followed by a leadership transfer (leaders spreading)" if moved else ""
+    late = sum(1 for f in cuts if f.get("failover_after_heal"))
+    if late:
+        also += (f"; {late} partitioned leader's failover finished just after the heal "
+                 f"(the election the cut itself causes)")
     return f"{disrupted} of {len(cuts)}{why}{also}"
 
 

@@ -225,3 +225,51 @@ def test_a_leadership_transfer_after_a_heal_is_counted_apart_from_elections():
     faults = [{**cut, "elections_after_heal": 0, "transfers_after_heal": 1},
               {**cut, "elections_after_heal": 0, "transfers_after_heal": 0}]
     assert _rejoins(faults) == "0 of 2; 1 more followed by a leadership transfer (leaders spreading)"
+
+
+def test_a_partitioned_leaders_failover_finishing_after_the_heal_is_not_an_election_on_heal():
+    """A leader cut for a short hold may be replaced only just after the heal: that election is
+    the cut's own failover, reported as such. A second election after it, or one after a cut whose
+    failover finished in time, still counts; so does one after an isolated follower returns."""
+    from kvps_chaos.report import _elections_after_heal, _late_failover, _rejoins
+
+    cut = {"kind": "partition-leader", "shard": 1, "node": 0, "invoked": 7.9, "start": 8.0, "end": 10.0}
+    failover = {"t": 10.03, "shard": 1, "node": 1, "term": 28, "won_by": "election"}
+    again = {"t": 11.0, "shard": 1, "node": 2, "term": 29, "won_by": "election"}
+    late = _late_failover(cut, [failover, again])
+    assert late is failover
+    assert _elections_after_heal(cut, [failover], skip=late) == 0
+    assert _elections_after_heal(cut, [failover, again], skip=late) == 1
+    in_time = {"t": 9.5, "shard": 1, "node": 1, "term": 28, "won_by": "election"}
+    assert _late_failover(cut, [in_time, failover]) is None  # it finished during the cut
+    back = {"t": 10.03, "shard": 1, "node": 0, "term": 28, "won_by": "election"}
+    assert _late_failover(cut, [back]) is None  # the cut leader itself: no failover
+    assert _late_failover({**cut, "kind": "isolate-follower"}, [failover]) is None
+    faults = [{**cut, "elections_after_heal": 0, "transfers_after_heal": 0, "failover_after_heal": True}]
+    assert _rejoins(faults).startswith("0 of 1; 1 partitioned leader's failover finished just after")
+
+
+def test_the_window_after_a_heal_ends_where_the_next_fault_began_not_where_it_took_effect():
+    """A kill-all stamps its start once every process is dead; the monitor may see the shard
+    leaderless a moment before that. The next fault's invocation bounds the window."""
+    from types import SimpleNamespace
+
+    from kvps_chaos.faults import FaultRecord
+    from kvps_chaos.report import build_report
+
+    opts = ChaosOptions(duration=20, seed=3, shards=1)
+    cut = FaultRecord("partition-leader", 101.0, 104.0, 104.5, shard=0, node=2, invoked=100.9)
+    kill_all = FaultRecord("kill-all", 106.2, 108.0, 110.0, invoked=106.0)
+    state = SimpleNamespace(opts=opts, workload_start=100.0, workload_end=115.0, mode="loopback",
+                            mode_note="test", faults=["partition-leader", "kill-all"], not_run={},
+                            fault_records=[cut, kill_all],
+                            leader_events=[{"t": 102.5, "shard": 0, "node": 0, "term": 7, "won_by": "election"},
+                                           {"t": 106.1, "shard": 0, "node": None, "term": None, "won_by": None}],
+                            log_lines=[], raft_findings=[])
+    wl = SimpleNamespace(records=[OpRecord("counter", 0, "c", 100 + t, 100.01 + t, True) for t in range(15)],
+                         tally={"k": CounterTally(acked=1, versions={"c": [1]})}, history=[],
+                         initial={}, replies_lost=0)
+    convergence = {"ok": True, "converged": True, "diverged_shards": [], "shards": {}}
+    report = build_report(state, wl, {"k": (1.0, 1)}, convergence, {})
+    assert report["faults"][0]["elections_after_heal"] == 0
+    assert report["faults"][0]["invoked"] == pytest.approx(0.9)
