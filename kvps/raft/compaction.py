@@ -26,7 +26,9 @@ A replaced snapshot of at most ``SPARE_MAX_BYTES`` is kept as ``raft.snapshot.sp
 the next compaction's writer overwrites it in place: its pages are still in the page cache, where
 a new file's pages are fresh memory (DESIGN §11; a B1 run compacts every replica every few
 seconds). Bigger ones are unlinked, as their compactions are rare (``compact_ratio``) and a spare
-would double the disk they take.
+would double the disk they take. A snapshot being sent to a lagging follower reads the file in
+chunks over many ticks; when a compaction finishes, those transmissions restart from the new
+file (``ShardGroup._check_compaction``), so none reads on in a spare being overwritten.
 """
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from pysyncobj import SyncObj, SyncObjConf, replicated
-from pysyncobj.config import FAIL_REASON
+from pysyncobj.config import FAIL_REASON, SERIALIZER_STATE
 from pysyncobj.monotonic import monotonic
 
 from kvps.config import RaftConfig
@@ -162,7 +162,7 @@ class ShardGroup(SyncObj):
             **syncobj_options(raft, journal_dir),
             serializer=self._compaction.serialize,
             deserializer=self._compaction.deserialize,
-            serializeChecker=self._compaction.check,
+            serializeChecker=self._check_compaction,
             onStateChanged=self._on_state_changed,
             bindAddress=bind_address,
         )
@@ -227,6 +227,19 @@ class ShardGroup(SyncObj):
         (a recovering replica that stood for election would win with the lagging member's vote)."""
         self._recovery.enter(reason)
         internals.set_election_deadline(self, monotonic() + _NEVER)
+
+    def _check_compaction(self) -> int:
+        """pysyncobj's serializeChecker: the compaction's state. Once a new snapshot is in place,
+        snapshots being sent to lagging followers restart from it, as pysyncobj's own forked
+        serializer does; they would otherwise read on in the replaced file, which the next
+        compaction overwrites in place (``kvps.raft.compaction``'s spare)."""
+        status = self._compaction.check()
+        if status == SERIALIZER_STATE.SUCCESS:
+            restarted = internals.restart_transmissions(self)
+            if restarted:
+                logger.info("raft %s: %d snapshot transmission(s) restart from the new snapshot",
+                            self.selfNode.address, restarted)
+        return status
 
     def _check_recovered(self) -> None:
         if self._recovery.check(self):

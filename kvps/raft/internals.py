@@ -30,6 +30,8 @@ pysyncobj name                     used by                            accessor h
 ``SyncObj.__transport``            prevote: its own messages          ``send``
 ``SyncObj.__getEntries``           recovery                           ``entries``
 ``SyncObj.__raftLog``              replication: the follower rebase   ``raft_log``
+``SyncObj.__serializer``           group: snapshots being sent        ``restart_transmissions``
+``Serializer.__transmissions``     group: restarted after compaction  ``restart_transmissions``
 ``SyncObj.__doApplyCommand``       ShardGroup overrides it            ``stock_do_apply_command``
 ``SyncObj.__onMessageReceived``    ShardGroup overrides it            ``stock_on_message_received``
 ``SyncObj.__generateRaftTimeout``  ShardGroup overrides it            ``stock_generate_raft_timeout``
@@ -94,6 +96,7 @@ __all__ = [
     "outgoing_connected",
     "poller",
     "raft_log",
+    "restart_transmissions",
     "self_node",
     "send",
     "set_election_deadline",
@@ -110,7 +113,8 @@ __all__ = [
 # The names, as they appear on instances (mangled ones with their class prefix).
 SYNCOBJ_ATTRIBUTES = ("_SyncObj__raftCommitIndex", "_SyncObj__raftCurrentTerm",
                       "_SyncObj__raftElectionDeadline", "_SyncObj__raftLeader", "_SyncObj__raftLog",
-                      "_SyncObj__transferInProgress", "_SyncObj__transport", "_poller")
+                      "_SyncObj__serializer", "_SyncObj__transferInProgress", "_SyncObj__transport",
+                      "_poller")
 SYNCOBJ_METHODS = ("_SyncObj__getEntries", "_applyCommand", "_getLeader", "_getRaftLogSize",
                    "_getTerm", "_isLeader")
 SYNCOBJ_OVERRIDES = ("_SyncObj__doApplyCommand", "_SyncObj__generateRaftTimeout",
@@ -201,6 +205,22 @@ def entries(group: SyncObj, from_index: int, count: int) -> list[tuple[Any, int,
 def raft_log(group: SyncObj) -> Any:
     """The journal itself: ``len()`` and ``[i]`` give (command, index, term) entries."""
     return group._SyncObj__raftLog
+
+
+def restart_transmissions(group: SyncObj) -> int:
+    """Close every snapshot being sent to a follower, so that each restarts from the snapshot
+    just written (returns how many). pysyncobj's forked serializer drops them itself when a dump
+    succeeds; with a ``serializeChecker`` (ours) it keeps reading the file it had opened, which is
+    by then the replaced snapshot: outdated, and overwritten once it is reused as the spare."""
+    transmissions = group._SyncObj__serializer._Serializer__transmissions
+    closed = 0
+    for transmission in transmissions.values():
+        handle = transmission.get("file")
+        if handle is not None:
+            handle.close()
+        closed += 1
+    transmissions.clear()
+    return closed
 
 
 def stock_do_apply_command(group: SyncObj, command: bytes) -> Any:

@@ -870,3 +870,53 @@ def propose_membership(leader: ShardGroup, op: str, address: str, timeout: float
     method = leader.addNodeToCluster if op == "add" else leader.removeNodeFromCluster
     method(address, callback=lambda r, e: (box.append(e), done.set()))
     return done.wait(timeout) and box == [0]
+
+
+def test_a_snapshot_being_sent_restarts_from_the_new_snapshot_when_a_compaction_replaces_it(tmp_path):
+    """pysyncobj sends a lagging follower the snapshot file in chunks over many ticks, reading
+    one file handle. A compaction finishing meanwhile turns that file into the spare the next
+    compaction overwrites in place; read on, the follower got the first chunk of one snapshot and
+    the rest of another, which its checksum refuses, over and over while the leader compacts
+    every few seconds. The transmission restarts from the new snapshot instead."""
+    raft = RaftConfig(election_timeout_min=0.3, election_timeout_max=0.6, heartbeat_period=0.05,
+                      leader_fallback_timeout=0.6, connection_timeout=1.5, connection_retry=0.1,
+                      compact_entries=100_000)  # compactions only when forced here
+    c = Cluster(tmp_path, n=1, raft=raft)
+    c.start_all()
+    g = c.leader()
+    serializer = g._SyncObj__serializer  # pysyncobj's own sender of snapshot chunks
+    rng = np.random.default_rng(5)
+
+    def grow_and_compact(n: int, done: int) -> None:
+        for _ in range(n):  # incompressible 1 MiB commands: a snapshot of several 4 MiB chunks
+            c.propose(rng.bytes(1 << 20))
+        g.forceLogCompaction()
+        wait_for(lambda: g.status()["compactions"]["succeeded"] == done, 20, f"compaction {done}")
+
+    def read(box: list) -> None:
+        box.append(serializer.getTransmissionData("follower-x"))
+
+    try:
+        grow_and_compact(10, 1)
+        first: list = []
+        on_tick_thread(g, lambda: read(first))
+        data, is_first, is_last = first[0]
+        assert is_first and not is_last and len(data) == 4 << 20
+        grow_and_compact(1, 2)  # the file being sent is now the spare...
+        grow_and_compact(1, 3)  # ...overwritten in place by this compaction
+        chunks: list = []
+        on_tick_thread(g, lambda: [read(chunks) for _ in range(8)])
+        got = bytearray()
+        for chunk in chunks:
+            data, is_first, is_last = chunk
+            assert is_first == (not got), "the transmission did not restart from the new snapshot"
+            got += data
+            if is_last:
+                break
+        assert chunks and is_last
+        sent = tmp_path / "sent.snapshot"
+        sent.write_bytes(bytes(got))
+        snap = snapshot_file.read(sent)  # refused (a checksum error) if the chunks mixed two files
+        assert snap.last_entry[1] == snapshot_file.read(Path(g.conf.fullDumpFile)).last_entry[1]
+    finally:
+        c.stop_all()

@@ -224,6 +224,13 @@ def test_serializer_hooks_contract():
     assert "self.__updateClusterConfiguration([node for node in data[3] if node != self.__selfNode])" in load
     # The snapshot is sent to lagging followers in logCompactionBatchSize chunks of file bytes.
     assert "transmission['file'].read(self.__transmissionBatchSize)" in src(Serializer.getTransmissionData)
+    # restart_transmissions: outgoing transmissions are a dict of {'file': handle, ...} per node,
+    # which pysyncobj's forked dump empties on success and our serializeChecker path does not
+    assert "self.__transmissions = {}" in src(Serializer.__init__)
+    assert "'file': open(self.__fileName, 'rb')," in src(Serializer.getTransmissionData)
+    check = src(Serializer.checkSerializing)
+    assert check.count("self.__transmissions = {}") == 2
+    assert check.index("self.__serializeChecker()") < check.index("self.__transmissions = {}")
 
 
 def test_next_index_handling_the_pipelining_fix_relies_on():
@@ -315,6 +322,18 @@ def test_what_prevote_relies_on():
     assert "self.__transport = transportClass(self, self.__selfNode, self.__otherNodes)" in src(SyncObj.__init__)
     assert "return self.__raftLog[-1][1]" in src(SyncObj._SyncObj__getCurrentLogIndex)
     assert params(ShardGroup._onTick) == params(SyncObj._onTick) == ["self", "timeToWait"]
+
+
+def test_restart_transmissions_closes_every_snapshot_being_sent(syncobj, tmp_path):
+    dump = tmp_path / "dump"
+    dump.write_bytes(b"snapshot")
+    transmissions = syncobj._SyncObj__serializer._Serializer__transmissions
+    handle = dump.open("rb")
+    transmissions["a"] = {"file": handle, "transmitted": 0}
+    transmissions["b"] = {"data": b"in memory", "transmitted": 0}
+    assert internals.restart_transmissions(syncobj) == 2
+    assert handle.closed and transmissions == {}
+    assert internals.restart_transmissions(syncobj) == 0
 
 
 def test_prevote_accessors(syncobj):
