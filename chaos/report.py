@@ -75,6 +75,12 @@ def build_report(state: Any, wl: Any, final: dict, convergence: dict, train: dic
     }
 
 
+# A poll of the cluster map can land while a leadership transfer hands over (the old leader has
+# stepped down, the new one does not serve yet): "no serving leader" followed this soon by a
+# leader that won by transfer is that transfer.
+_HANDOVER_S = 1.0
+
+
 def _elections_after_heal(fault: dict, events: list[dict], window: float = 3.0,
                          until: float | None = None, transfers: bool = False,
                          skip: dict | None = None) -> int | None:
@@ -85,15 +91,24 @@ def _elections_after_heal(fault: dict, events: list[dict], window: float = 3.0,
 
     A change whose new leader says it won by a transfer (``won_by``: the previous leader asked,
     as the leader spreader does once leader changes have settled) is no election: it is counted
-    apart (``transfers=True``), not hidden. A change to "no serving leader" counts as an election.
+    apart (``transfers=True``), not hidden. A change to "no serving leader" counts as an election,
+    unless a leader that won by transfer follows within ``_HANDOVER_S``.
     ``skip`` is the cut's own failover when it finished only after the heal (``_late_failover``):
     the election the fault itself causes, counted apart too."""
     if fault["kind"] not in ("partition-leader", "isolate-follower") or fault["end"] is None:
         return None
     last = fault["end"] + window if until is None else min(fault["end"] + window, until)
-    return sum(1 for e in events if e["shard"] == fault["shard"] and e is not skip
-               and fault["end"] - 0.05 <= e["t"] <= last
-               and (e.get("won_by") == "transfer") == transfers)
+    mine = [e for e in events if e["shard"] == fault["shard"]]
+    count = 0
+    for i, e in enumerate(mine):
+        if e is skip or not fault["end"] - 0.05 <= e["t"] <= last:
+            continue
+        nxt = mine[i + 1] if i + 1 < len(mine) else None
+        if (e["node"] is None and nxt is not None and nxt.get("won_by") == "transfer"
+                and nxt["t"] - e["t"] <= _HANDOVER_S):
+            continue  # the moment a transfer hands over, seen by the poll: part of that transfer
+        count += (e.get("won_by") == "transfer") == transfers
+    return count
 
 
 def _late_failover(fault: dict, events: list[dict], window: float = 3.0) -> dict | None:

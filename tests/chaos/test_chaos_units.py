@@ -220,6 +220,11 @@ def test_a_leadership_transfer_after_a_heal_is_counted_apart_from_elections():
     assert _elections_after_heal(cut, [transfer, other, late], transfers=True) == 1
     assert _elections_after_heal(cut, [transfer, election, gap]) == 2
     assert _elections_after_heal({**cut, "kind": "kill-leader"}, [election]) is None
+    # a poll that caught a transfer handing over (no serving leader, then the transfer's winner)
+    handover = {"t": 10.6, "shard": 0, "node": None, "term": None, "won_by": None}
+    assert _elections_after_heal(cut, [handover, transfer]) == 0
+    assert _elections_after_heal(cut, [handover, transfer], transfers=True) == 1
+    assert _elections_after_heal(cut, [handover, election]) == 2  # no transfer: a real gap
     # the next fault began at 11.2: the election at 11.5 is that fault's doing, not this heal's
     assert _elections_after_heal(cut, [transfer, election, gap], until=11.2) == 0
     faults = [{**cut, "elections_after_heal": 0, "transfers_after_heal": 1},
