@@ -55,6 +55,7 @@ logger = logging.getLogger("kvps.raft")
 
 SPARE = ".spare"  # a replaced snapshot kept for the next compaction to overwrite
 SPARE_MAX_BYTES = 256 << 20
+DEFER_FACTOR = 4  # a due compaction waits for a snapshot being sent up to this many times its bytes
 
 
 def prepare(dump_path: Path) -> int:
@@ -100,7 +101,8 @@ class Compaction:
         self._installs = 0  # snapshots installed from a leader (a running compaction is then stale)
         self._applied_bytes = 0  # command bytes applied since the last compaction was forced
         self._state_bytes = 0  # size of the last snapshot written or loaded (compaction pacing)
-        self.counters = {"started": 0, "succeeded": 0, "failed": 0, "discarded": 0,
+        self._deferring = False  # a due compaction is waiting for a snapshot being sent
+        self.counters = {"started": 0, "succeeded": 0, "failed": 0, "discarded": 0, "deferred": 0,
                          "last_seconds": 0.0, "last_bytes": 0}
 
     @property
@@ -110,13 +112,26 @@ class Compaction:
     def applied(self, nbytes: int) -> None:
         self._applied_bytes += nbytes
 
-    def due(self) -> bool:
-        """Whether enough bytes were applied to force a compaction (then counts from zero)."""
+    def due(self, sending: bool = False) -> bool:
+        """Whether enough bytes were applied to force a compaction (then counts from zero).
+
+        ``sending``: a snapshot is being sent to a lagging follower. pysyncobj sends no chunk
+        while a compaction is being written, and one finishing restarts the send from the new
+        snapshot (``ShardGroup._check_compaction``); a leader compacting back to back would never
+        let a big snapshot through. So the compaction waits for the send, up to ``DEFER_FACTOR``
+        times the usual bytes, which bounds the log a stuck or abandoned send can keep."""
         raft = self._raft
-        if self._applied_bytes >= max(raft.compact_bytes, raft.compact_ratio * self._state_bytes):
-            self._applied_bytes = 0
-            return True
-        return False
+        threshold = max(raft.compact_bytes, raft.compact_ratio * self._state_bytes)
+        if self._applied_bytes < threshold:
+            return False
+        if sending and self._applied_bytes < DEFER_FACTOR * threshold:
+            if not self._deferring:
+                self._deferring = True
+                self.counters["deferred"] += 1
+            return False
+        self._applied_bytes = 0
+        self._deferring = False
+        return True
 
     def join(self, timeout: float) -> None:
         """Wait for the writer in flight (stopping: a half-written .partial is harmless, but do not

@@ -260,7 +260,7 @@ class ShardGroup(SyncObj):
                             "InvalidRequest", index, len(data), exc, exc_info=True)
             result = InvalidRequest(f"applying log entry {index} failed: {type(exc).__name__}: {exc}",
                                     index=index)
-        if self._compaction.due():
+        if self._compaction.due(sending=internals.transmissions_in_flight(self) > 0):
             self.forceLogCompaction()
         return result
 
@@ -411,9 +411,9 @@ class ShardGroup(SyncObj):
     def _on_state_changed(self, old: int, new: int) -> None:
         self._role = internals.ROLES.get(new, "follower")
         if self._role == "candidate":
-            self._prevote.on_candidate()
+            self._prevote.on_candidate(self.term())
         elif self._role == "leader":
-            self._won_by = self._prevote.on_leader()
+            self._won_by = self._prevote.on_leader(self.term())
         if self._on_role_change is None:
             return
         try:

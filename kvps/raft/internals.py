@@ -31,7 +31,8 @@ pysyncobj name                     used by                            accessor h
 ``SyncObj.__getEntries``           recovery                           ``entries``
 ``SyncObj.__raftLog``              replication: the follower rebase   ``raft_log``
 ``SyncObj.__serializer``           group: snapshots being sent        ``restart_transmissions``
-``Serializer.__transmissions``     group: restarted after compaction  ``restart_transmissions``
+``Serializer.__transmissions``     group: restarted after compaction  ``restart_transmissions``,
+                                   and compactions wait for them      ``transmissions_in_flight``
 ``SyncObj.__doApplyCommand``       ShardGroup overrides it            ``stock_do_apply_command``
 ``SyncObj.__onMessageReceived``    ShardGroup overrides it            ``stock_on_message_received``
 ``SyncObj.__generateRaftTimeout``  ShardGroup overrides it            ``stock_generate_raft_timeout``
@@ -107,6 +108,7 @@ __all__ = [
     "sync_obj",
     "term",
     "transfer_in_progress",
+    "transmissions_in_flight",
     "unknown_connections",
 ]
 
@@ -221,6 +223,12 @@ def restart_transmissions(group: SyncObj) -> int:
         closed += 1
     transmissions.clear()
     return closed
+
+
+def transmissions_in_flight(group: SyncObj) -> int:
+    """How many snapshots are being sent to followers now (pysyncobj drops one when it is sent,
+    when its follower disconnects, or through ``restart_transmissions``)."""
+    return len(group._SyncObj__serializer._Serializer__transmissions)
 
 
 def stock_do_apply_command(group: SyncObj, command: bytes) -> Any:

@@ -920,3 +920,23 @@ def test_a_snapshot_being_sent_restarts_from_the_new_snapshot_when_a_compaction_
         assert snap.last_entry[1] == snapshot_file.read(Path(g.conf.fullDumpFile)).last_entry[1]
     finally:
         c.stop_all()
+
+
+def test_a_due_compaction_waits_for_a_snapshot_being_sent_within_a_bound(tmp_path):
+    """pysyncobj sends no snapshot chunk while a compaction is written, and a finished one
+    restarts the send: a leader compacting back to back under load would never get a big
+    snapshot through to a lagging follower. A due compaction waits while one is being sent, but
+    only up to DEFER_FACTOR times its bytes, so a stuck send cannot grow the log without end."""
+    from kvps.raft.compaction import DEFER_FACTOR, Compaction
+
+    raft = RaftConfig(compact_bytes=1 << 20)
+    comp = Compaction(tmp_path / "raft.snapshot", raft, lambda: b"", lambda view: None)
+    comp.applied(1 << 20)
+    assert comp.due(sending=True) is False and comp.counters["deferred"] == 1
+    comp.applied(1 << 20)
+    assert comp.due(sending=True) is False and comp.counters["deferred"] == 1  # one wait, counted once
+    assert comp.due(sending=False) is True  # the send is over: compact now
+    assert comp.due(sending=False) is False  # counting from zero again
+    comp.applied(DEFER_FACTOR << 20)
+    assert comp.due(sending=True) is True  # past the bound: compact even while sending
+    assert comp.counters["deferred"] == 1

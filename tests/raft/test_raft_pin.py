@@ -228,6 +228,10 @@ def test_serializer_hooks_contract():
     # which pysyncobj's forked dump empties on success and our serializeChecker path does not
     assert "self.__transmissions = {}" in src(Serializer.__init__)
     assert "'file': open(self.__fileName, 'rb')," in src(Serializer.getTransmissionData)
+    # transmissions_in_flight: a sent or abandoned transmission leaves the dict
+    assert "self.__transmissions.pop(transmissionID, None)" in src(Serializer.getTransmissionData)
+    assert "self.__serializer.cancelTransmisstion(node)" in src(SyncObj._SyncObj__sendAppendEntries)
+    assert "self.__transmissions.pop(id, None)" in src(Serializer.cancelTransmisstion)
     check = src(Serializer.checkSerializing)
     assert check.count("self.__transmissions = {}") == 2
     assert check.index("self.__serializeChecker()") < check.index("self.__transmissions = {}")
@@ -331,8 +335,9 @@ def test_restart_transmissions_closes_every_snapshot_being_sent(syncobj, tmp_pat
     handle = dump.open("rb")
     transmissions["a"] = {"file": handle, "transmitted": 0}
     transmissions["b"] = {"data": b"in memory", "transmitted": 0}
+    assert internals.transmissions_in_flight(syncobj) == 2
     assert internals.restart_transmissions(syncobj) == 2
-    assert handle.closed and transmissions == {}
+    assert handle.closed and transmissions == {} and internals.transmissions_in_flight(syncobj) == 0
     assert internals.restart_transmissions(syncobj) == 0
 
 
