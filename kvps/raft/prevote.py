@@ -100,6 +100,7 @@ class PreVote:
         # process is gone). ShardGroup reads it when this replica becomes leader ("won_by").
         self.last_start: str | None = None
         self._standing = "election"  # how the election in progress started (on_candidate)
+        self._standing_term = 0  # the term it stands for
         # asked: rounds started; won: rounds that reached a majority (an election followed);
         # avoided: rounds that ended without one (no term raised); granted / refused: answers
         # this replica gave to others; bypassed: elections started without a round (transfer,
@@ -153,16 +154,19 @@ class PreVote:
         internals.forget_leader(group)
         internals.set_election_deadline(group, now + internals.stock_generate_raft_timeout(group))
 
-    def on_candidate(self) -> None:
-        """pysyncobj just started an election here (tick thread): note how it was let through;
-        one it started unasked (see ``_EARLY``) was an election all the same."""
+    def on_candidate(self, term: int) -> None:
+        """pysyncobj just started an election here (tick thread; ``term`` is still the one before
+        it stands, which it raises right after): note how it was let through; one it started
+        unasked (see ``_EARLY``) was an election all the same."""
         self._standing = self.last_start or "election"
+        self._standing_term = term + 1
         self.last_start = None
 
-    def on_leader(self) -> str:
-        """This replica just won: how its latest election started. A candidate that stands
-        again starts without a state change, so a release since ``on_candidate`` is the newer."""
-        standing = self.last_start or self._standing
+    def on_leader(self, term: int) -> str:
+        """This replica just won ``term``: how its latest election started. A candidate that
+        stands again starts without a state change, so a release since ``on_candidate`` is the
+        newer; one that stood again unasked (a later term, no release) won by an election."""
+        standing = self.last_start or (self._standing if term == self._standing_term else "election")
         self.last_start = None
         return standing
 

@@ -284,3 +284,19 @@ def test_a_group_of_one_and_a_leadership_transfer_elect_without_asking(tmp_path)
         assert leader.status()["won_by"] is None
     finally:
         c.stop_all()
+
+
+def test_won_by_names_an_election_when_a_transfer_candidate_stood_again_unasked():
+    """pysyncobj calls on_candidate once per candidacy, before it raises the term; a candidate
+    that stands again in a later term gets no second call. If that later round was not let
+    through here (no release noted), the leadership it won came from an election."""
+    pv = PreVote(FakeGroup(), min_timeout=0.4)
+    pv.last_start = "transfer"
+    pv.on_candidate(term=5)
+    assert pv.on_leader(term=6) == "transfer"  # won the term it stood for
+    pv.last_start = "transfer"
+    pv.on_candidate(term=8)
+    assert pv.on_leader(term=10) == "election"  # stood again (term 10) without being asked
+    pv.on_candidate(term=11)
+    pv.last_start = "fast-failover"  # a release for the candidate's next round
+    assert pv.on_leader(term=13) == "fast-failover"
