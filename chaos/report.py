@@ -27,7 +27,7 @@ def build_report(state: Any, wl: Any, final: dict, convergence: dict, train: dic
     begun = sorted(f["invoked"] if f.get("invoked") is not None else f["start"] for f in faults)
     for f in faults:
         until = next((t for t in begun if t > f["start"]), None)
-        late = _late_failover(f, state.leader_events)
+        late = _late_failover(f, state.leader_events, until=until)
         f["failover_after_heal"] = late is not None if f["kind"] == "partition-leader" else None
         f["elections_after_heal"] = _elections_after_heal(f, state.leader_events, until=until,
                                                           skip=late)
@@ -76,9 +76,39 @@ def build_report(state: Any, wl: Any, final: dict, convergence: dict, train: dic
 
 
 # A poll of the cluster map can land while a leadership transfer hands over (the old leader has
-# stepped down, the new one does not serve yet): "no serving leader" followed this soon by a
-# leader that won by transfer is that transfer.
+# stepped down, the new one does not serve yet): "no serving leader" followed this soon by the
+# transfer's winner, one term on, is that transfer.
 _HANDOVER_S = 1.0
+
+
+def _classify(events: list[dict]) -> list[str]:
+    """One shard's leader events, in order, each as "election", "transfer", "handover" (the
+    instant of a transfer's hand-over), "gap" (no serving leader: counted as an election) or
+    "return" (the leader and term from before a gap again: nothing new). ``won_by`` belongs to a
+    leader for as long as it leads, so a transfer counts only in a term after the last one seen."""
+    kinds: list[str] = []
+    prev = None  # the last event naming a leader
+    for e in events:
+        if e["node"] is None:
+            kinds.append("gap")
+        elif prev is not None and (e["node"], e["term"]) == (prev["node"], prev["term"]):
+            kinds.append("return")
+        elif e.get("won_by") == "transfer" and (prev is None or (e["term"] or 0) > (prev["term"] or 0)):
+            kinds.append("transfer")
+        else:
+            kinds.append("election")
+        if e["node"] is not None:
+            prev = e
+    prev_term = None
+    for i, e in enumerate(events):  # a gap right before a transfer one term on is its hand-over
+        nxt = events[i + 1] if i + 1 < len(events) else None
+        if (kinds[i] == "gap" and nxt is not None and kinds[i + 1] == "transfer"
+                and nxt["t"] - e["t"] <= _HANDOVER_S
+                and (prev_term is None or nxt["term"] == prev_term + 1)):
+            kinds[i] = "handover"
+        if e["node"] is not None:
+            prev_term = e["term"]
+    return kinds
 
 
 def _elections_after_heal(fault: dict, events: list[dict], window: float = 3.0,
@@ -89,41 +119,43 @@ def _elections_after_heal(fault: dict, events: list[dict], window: float = 3.0,
     0.3.17 has none) has none: a rejoining replica whose term grew while it was cut off would
     otherwise depose a healthy leader.
 
-    A change whose new leader says it won by a transfer (``won_by``: the previous leader asked,
-    as the leader spreader does once leader changes have settled) is no election: it is counted
-    apart (``transfers=True``), not hidden. A change to "no serving leader" counts as an election,
-    unless a leader that won by transfer follows within ``_HANDOVER_S``.
-    ``skip`` is the cut's own failover when it finished only after the heal (``_late_failover``):
-    the election the fault itself causes, counted apart too."""
+    A change whose new leader won by a transfer (``won_by``: the previous leader asked, as the
+    leader spreader does once leader changes have settled) is no election: it is counted apart
+    (``transfers=True``), not hidden, and so is the instant without a serving leader a poll may
+    catch while it hands over. Any other moment without a serving leader counts as an election
+    (``_classify``). ``skip`` is the cut's own failover when it finished only after the heal
+    (``_late_failover``): the election the fault itself causes, reported apart too."""
     if fault["kind"] not in ("partition-leader", "isolate-follower") or fault["end"] is None:
         return None
     last = fault["end"] + window if until is None else min(fault["end"] + window, until)
     mine = [e for e in events if e["shard"] == fault["shard"]]
-    count = 0
-    for i, e in enumerate(mine):
-        if e is skip or not fault["end"] - 0.05 <= e["t"] <= last:
-            continue
-        nxt = mine[i + 1] if i + 1 < len(mine) else None
-        if (e["node"] is None and nxt is not None and nxt.get("won_by") == "transfer"
-                and nxt["t"] - e["t"] <= _HANDOVER_S):
-            continue  # the moment a transfer hands over, seen by the poll: part of that transfer
-        count += (e.get("won_by") == "transfer") == transfers
-    return count
+    wanted = ("transfer",) if transfers else ("election", "gap")
+    return sum(1 for e, kind in zip(mine, _classify(mine))
+               if e is not skip and fault["end"] - 0.05 <= e["t"] <= last and kind in wanted)
 
 
-def _late_failover(fault: dict, events: list[dict], window: float = 3.0) -> dict | None:
+def _late_failover(fault: dict, events: list[dict], window: float = 3.0,
+                   until: float | None = None) -> dict | None:
     """The election a leader's partition causes, when the majority side had not finished it
     before the cut healed (a short hold; the first new leader can come ~2 s into the cut): the
-    first change on that shard after the heal to a leader other than the cut one, provided none
-    happened during the cut. None when the failover finished in time, or for other faults."""
+    first change on that shard after the heal, before ``until`` (the next fault), to a leader
+    other than the cut one in the term after the cut leader's, provided none happened during the
+    cut. None when the failover finished in time, or for other faults."""
     if fault["kind"] != "partition-leader" or fault["end"] is None:
         return None
     begun = fault["invoked"] if fault.get("invoked") is not None else fault["start"]
-    mine = [e for e in events if e["shard"] == fault["shard"] and e.get("won_by") != "transfer"
-            and e["node"] is not None and e["node"] != fault["node"]]
-    if any(begun <= e["t"] < fault["end"] - 0.05 for e in mine):
+    mine = [e for e in events if e["shard"] == fault["shard"]]
+    before = [e for e in mine if e["t"] < begun and e["node"] is not None]
+    cut_term = before[-1]["term"] if before else None
+    new = [e for e in mine if e["node"] is not None and e["node"] != fault["node"]
+           and e.get("won_by") != "transfer"]
+    if any(begun <= e["t"] < fault["end"] - 0.05 for e in new):
         return None
-    return next((e for e in mine if fault["end"] - 0.05 <= e["t"] <= fault["end"] + window), None)
+    last = fault["end"] + window if until is None else min(fault["end"] + window, until)
+    first = next((e for e in new if fault["end"] - 0.05 <= e["t"] <= last), None)
+    if first is None or (cut_term is not None and first["term"] != cut_term + 1):
+        return None
+    return first
 
 
 def _by_kind(faults: list[dict]) -> dict[str, dict]:

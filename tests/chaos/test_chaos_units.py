@@ -278,3 +278,33 @@ def test_the_window_after_a_heal_ends_where_the_next_fault_began_not_where_it_to
     report = build_report(state, wl, {"k": (1.0, 1)}, convergence, {})
     assert report["faults"][0]["elections_after_heal"] == 0
     assert report["faults"][0]["invoked"] == pytest.approx(0.9)
+
+
+def test_a_leader_that_once_won_by_transfer_and_briefly_stops_serving_is_no_new_transfer():
+    """won_by belongs to a leader for as long as it leads: the same leader and term back after a
+    moment without a serving leader is no transfer, and that moment still counts."""
+    from kvps_chaos.report import _classify, _elections_after_heal
+
+    cut = {"kind": "isolate-follower", "shard": 0, "end": 10.0}
+    before = {"t": 9.0, "shard": 0, "node": 0, "term": 15, "won_by": "transfer"}
+    gap = {"t": 10.5, "shard": 0, "node": None, "term": None, "won_by": None}
+    back = {"t": 10.8, "shard": 0, "node": 0, "term": 15, "won_by": "transfer"}
+    assert _classify([before, gap, back]) == ["transfer", "gap", "return"]
+    assert _elections_after_heal(cut, [before, gap, back]) == 1
+    assert _elections_after_heal(cut, [before, gap, back], transfers=True) == 0
+    # a hand-over is a gap right before a transfer one term on, not two terms on
+    moved = {"t": 10.9, "shard": 0, "node": 1, "term": 16, "won_by": "transfer"}
+    assert _classify([before, gap, moved]) == ["transfer", "handover", "transfer"]
+    skipped = {**moved, "term": 17}
+    assert _classify([before, gap, skipped]) == ["transfer", "gap", "transfer"]
+
+
+def test_a_late_failover_is_one_term_after_the_cut_leaders_and_before_the_next_fault():
+    from kvps_chaos.report import _late_failover
+
+    cut = {"kind": "partition-leader", "shard": 1, "node": 0, "invoked": 7.9, "start": 8.0, "end": 10.0}
+    leading = {"t": 5.0, "shard": 1, "node": 0, "term": 27, "won_by": "election"}
+    failover = {"t": 10.03, "shard": 1, "node": 1, "term": 28, "won_by": "election"}
+    assert _late_failover(cut, [leading, failover]) is failover
+    assert _late_failover(cut, [leading, {**failover, "term": 30}]) is None  # rounds after the heal
+    assert _late_failover(cut, [leading, {**failover, "t": 11.5}], until=11.0) is None  # next fault's
