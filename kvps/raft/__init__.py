@@ -6,6 +6,7 @@ The group and what it is built from:
 * ``internals`` -- every pysyncobj private name kvps touches, one accessor each, each pinned.
 * ``bridge`` -- pysyncobj callbacks to asyncio futures, ``FAIL_REASON`` to kvps errors.
 * ``threads`` -- kernel-visible names and background priority for the threads of this layer.
+* ``ticker`` -- one thread and one poller that tick every group of a process (no autoTick).
 
 Log compaction and durability:
 

@@ -1,5 +1,8 @@
 """``ShardGroup``: one shard's Raft group, the only ``SyncObj`` subclass in kvps.
 
+(Past 450 lines because every override pysyncobj calls through ``self`` must live on this one
+class; the logic behind each lives in its own module: prevote, failover, recovery, compaction.)
+
 What pysyncobj 0.3.17 forces on us and how this class answers it (DESIGN section 4):
 
 * Replicated methods are numbered by sorted name and their arguments pickled, and applying an
@@ -47,6 +50,7 @@ it: the tick thread only holds a weak proxy.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -67,6 +71,7 @@ from kvps.raft.journal import using_journal
 from kvps.raft.prevote import PreVote
 from kvps.raft.recovery import Recovery
 from kvps.raft.threads import background_priority, name_native_thread
+from kvps.raft.ticker import GroupHalted, Ticker
 from kvps.raft.transport import make_transport_class
 
 # background_priority lives in kvps.raft.threads; kvps.replica imports it from here.
@@ -126,9 +131,16 @@ class ShardGroup(SyncObj):
                  context: str, journal_dir: Path, applier: Callable[[bytes | memoryview], Any],
                  snapshot_state: Callable[[], Any], restore_state: Callable[[memoryview], None],
                  on_role_change: Callable[[str], None] | None = None,
-                 busy: Callable[[], bool] | None = None, bind_address: str | None = None) -> None:
+                 busy: Callable[[], bool] | None = None, bind_address: str | None = None,
+                 ticker: Ticker | None = None,
+                 on_halted: Callable[[str], None] | None = None) -> None:
         """``busy()``: whether the replica is serving requests right now (compaction writers then
-        run at half speed). ``bind_address``: where to listen when not ``self_address``."""
+        run at half speed). ``bind_address``: where to listen when not ``self_address``.
+        ``ticker``: the ``kvps.raft.ticker.Ticker`` that ticks this group together with the
+        process's others (None: pysyncobj's own tick thread). With a ticker, an applier that
+        raises ``GroupHalted`` stops this group where it is (the entry stays unapplied, its
+        sockets and journal are closed) and ``on_halted(reason)`` is called on the ticker's
+        thread; without one the applier exits the process instead (``kvps.replica``)."""
         raft.validate()
         journal_dir = Path(journal_dir)
         journal_dir.mkdir(parents=True, exist_ok=True)
@@ -146,6 +158,9 @@ class ShardGroup(SyncObj):
         self._tokens = itertools.count()
         self._stopped = False
         self._tick_thread: threading.Thread | None = None
+        self._ticker = ticker
+        self._on_halted = on_halted
+        self._destroyed = False  # by the ticker (halted or stopped)
         self._compaction = compaction.Compaction(dump_path, raft, snapshot_state, restore_state, busy)
         self._last_tick: float | None = None
         self.tick_stalls = {"max_seconds": 0.0, "over_100ms": 0}  # tick thread gaps
@@ -165,21 +180,37 @@ class ShardGroup(SyncObj):
             serializeChecker=self._check_compaction,
             onStateChanged=self._on_state_changed,
             bindAddress=bind_address,
+            autoTick=ticker is None,
         )
         transport = make_transport_class(
             secret=secret, context=context.encode(), max_frame_bytes=raft.max_frame_bytes,
             socket_buffer_bytes=raft.socket_buffer_bytes,
-            on_peer_gone=self._failover.on_peer_gone if raft.fast_failover else None)
+            on_peer_gone=self._failover.on_peer_gone if raft.fast_failover else None,
+            defer_bind=ticker is not None)
         self._transport_stats = transport.stats
-        with using_journal(journal_dir / "raft.journal", fsync=raft.fsync,  # ours, not FileJournal
-                           fsync_interval=raft.fsync_interval, first_index=first_index,
-                           segment_bytes=raft.journal_segment_bytes,
-                           on_damage=self._recover_from_damage):  # before the tick thread starts
-            super().__init__(self_address, [p for p in peers if p != self_address], conf,
-                             transportClass=transport)
-        self.addOnTickCallback(self._note_tick_thread)
-        if self._recovery.active:
-            self.addOnTickCallback(self._check_recovered)
+        others = [p for p in peers if p != self_address]
+
+        def build() -> None:
+            # On the ticker's thread (ticker.call) when there is one: nothing of this group is
+            # seen by the shared poll before it is whole.
+            poller = ticker.poller() if ticker is not None else None
+            with using_journal(journal_dir / "raft.journal", fsync=raft.fsync,  # ours, not FileJournal
+                               fsync_interval=raft.fsync_interval, first_index=first_index,
+                               segment_bytes=raft.journal_segment_bytes,
+                               on_damage=self._recover_from_damage), \
+                    internals.using_poller(poller) if poller is not None else contextlib.nullcontext():
+                SyncObj.__init__(self, self_address, others, conf, transportClass=transport)
+            self.addOnTickCallback(self._note_tick_thread)
+            if self._recovery.active:
+                self.addOnTickCallback(self._check_recovered)
+            if ticker is not None:
+                transport.deferring_bind = False  # its first ticks bind the Raft port
+                ticker.add(self, poller, on_halted=self._halted)
+
+        if ticker is None:
+            build()  # the tick thread starts inside
+        else:
+            ticker.call(build)
 
     # -- the one replicated method ------------------------------------------------------------
 
@@ -255,6 +286,8 @@ class ShardGroup(SyncObj):
         self._compaction.applied(len(data))
         try:
             result = self._applier(data)
+        except GroupHalted:  # the ticker stops this group before it applies anything more
+            raise
         except Exception as exc:  # must not escape: pysyncobj would re-apply this entry forever
             logger.critical("raft entry %d (%d bytes) raised in the applier: %r; recorded as "
                             "InvalidRequest", index, len(data), exc, exc_info=True)
@@ -277,7 +310,7 @@ class ShardGroup(SyncObj):
             return
         token = next(self._tokens)
         with self._pending_lock:
-            stopped = self._stopped
+            stopped = self._stopped or self._destroyed
             if not stopped:
                 self._pending[token] = callback
         if stopped:
@@ -380,15 +413,43 @@ class ShardGroup(SyncObj):
             if self._stopped:
                 return
             self._stopped = True
-        if threading.current_thread() is self._tick_thread:
+        if self._ticker is not None:
+            if self._ticker.on_thread():
+                self._ticker.defer(self._destroy_now)  # after the tick this is called from
+                return
+            try:
+                self._ticker.call(self._destroy_now, timeout=30.0)
+            except RuntimeError:  # the ticker is gone: nothing ticks this group any more
+                pass
+        elif threading.current_thread() is self._tick_thread:
             self.destroy()
             return
-        self.destroy_synchronous()
+        else:
+            self.destroy_synchronous()
         self._compaction.join(timeout=60)
+        self._fail_pending()
+
+    def _fail_pending(self) -> None:
         with self._pending_lock:
             pending, self._pending = self._pending, {}
         for callback in pending.values():
             callback(None, GROUP_STOPPED)
+
+    def _destroy_now(self) -> None:
+        """Close this group's sockets and journal (the ticker's thread, between ticks)."""
+        with self._pending_lock:  # proposals check it under this lock
+            if self._destroyed:
+                return
+            self._destroyed = True
+        self._ticker.remove(self)
+        internals.destroy_now(self)
+
+    def _halted(self, reason: str) -> None:
+        """The applier raised ``GroupHalted`` (the ticker's thread): stop here, tell the owner."""
+        self._destroy_now()
+        self._fail_pending()
+        if self._on_halted is not None:
+            self._on_halted(reason)
 
     # -- tick-thread hooks --------------------------------------------------------------------
 

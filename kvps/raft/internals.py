@@ -37,9 +37,12 @@ pysyncobj name                     used by                            accessor h
 ``SyncObj.__onMessageReceived``    ShardGroup overrides it            ``stock_on_message_received``
 ``SyncObj.__generateRaftTimeout``  ShardGroup overrides it            ``stock_generate_raft_timeout``
 ``SyncObj._onTick``                ShardGroup overrides it (prevote)  ``SYNCOBJ_OVERRIDES``
+                                   ticker: one tick of one group      ``tick``
 ``syncobj._COMMAND_TYPE``          group: our entries' type byte      ``REGULAR_COMMAND``
 ``syncobj._RAFT_STATE``            group: role names                  ``ROLES``
 ``syncobj.createJournal``          journal: ours instead of its own   ``journal_factory``
+``syncobj.createPoller``           ticker: one poller for all groups  ``using_poller``
+``SyncObj._doDestroy``             group: destroyed on the ticker     ``destroy_now``
 ``TCPTransport._syncObj``          transport                          ``sync_obj``
 ``TCPTransport._connections``      transport                          ``connections``
 ``TCPTransport._unknownConnections``  transport                       ``unknown_connections``
@@ -47,7 +50,8 @@ pysyncobj name                     used by                            accessor h
 ``TCPTransport._nodes``            transport: voting members          ``is_member``
 ``TCPTransport._selfNode``         transport: the listen address      ``self_node``
 ``TCPTransport._server``           transport: our listener            ``set_server``
-``TCPTransport._ready``            listener: rebind after a failure   ``mark_unbound``
+``TCPTransport._ready``            listener: rebind after a failure,  ``mark_unbound``,
+                                   transport: bind on a later tick    ``transport_ready``
 ``TCPTransport._connToNode``       transport                          ``node_of``
 ``TCPTransport._onNewIncomingConnection``  transport                  ``add_incoming``
 ``TCPTransport._onOutgoingConnected``      transport                  ``outgoing_connected``
@@ -83,6 +87,7 @@ __all__ = [
     "commit_index",
     "connections",
     "current_term",
+    "destroy_now",
     "election_deadline",
     "entries",
     "forget_leader",
@@ -107,9 +112,12 @@ __all__ = [
     "stock_on_message_received",
     "sync_obj",
     "term",
+    "tick",
     "transfer_in_progress",
     "transmissions_in_flight",
+    "transport_ready",
     "unknown_connections",
+    "using_poller",
 ]
 
 # The names, as they appear on instances (mangled ones with their class prefix).
@@ -117,8 +125,8 @@ SYNCOBJ_ATTRIBUTES = ("_SyncObj__raftCommitIndex", "_SyncObj__raftCurrentTerm",
                       "_SyncObj__raftElectionDeadline", "_SyncObj__raftLeader", "_SyncObj__raftLog",
                       "_SyncObj__serializer", "_SyncObj__transferInProgress", "_SyncObj__transport",
                       "_poller")
-SYNCOBJ_METHODS = ("_SyncObj__getEntries", "_applyCommand", "_getLeader", "_getRaftLogSize",
-                   "_getTerm", "_isLeader")
+SYNCOBJ_METHODS = ("_SyncObj__getEntries", "_applyCommand", "_doDestroy", "_getLeader",
+                   "_getRaftLogSize", "_getTerm", "_isLeader")
 SYNCOBJ_OVERRIDES = ("_SyncObj__doApplyCommand", "_SyncObj__generateRaftTimeout",
                      "_SyncObj__onMessageReceived", "_onTick")  # defined on ShardGroup
 TRANSPORT_ATTRIBUTES = ("_connections", "_nodeAddrToNode", "_nodes", "_ready", "_selfNode",
@@ -283,6 +291,11 @@ def mark_unbound(transport: Any) -> None:
     transport._ready = False
 
 
+def transport_ready(transport: Any) -> bool:
+    """Whether the transport's listener is bound (what ``TCPTransport.ready`` returns)."""
+    return transport._ready
+
+
 def node_of(transport: Any, conn: Any) -> Any:
     """The node a connection belongs to, or None."""
     return transport._connToNode(conn)
@@ -345,3 +358,53 @@ def journal_factory(path: str | Path, make: Callable[[str], Any]) -> Iterator[No
     if not claimed:
         raise RuntimeError(f"pysyncobj did not open {key} through createJournal: the kvps journal "
                            f"was not installed (see kvps/raft/internals.py)")
+
+
+def tick(group: SyncObj) -> None:
+    """One tick of a group without ``autoTick``: its timers, applies and sends. Its poller's
+    ``poll(0)`` at the end does nothing (``kvps.raft.ticker`` polls for every group at once)."""
+    group._onTick(0.0)
+
+
+def destroy_now(group: SyncObj) -> None:
+    """Close a group's sockets and journal on the calling thread: what pysyncobj's own tick thread
+    does on ``destroy()``. A group without ``autoTick`` must be destroyed on the thread that ticks
+    it (``kvps.raft.ticker``); ``destroy()`` would do it on whichever thread calls it."""
+    group._doDestroy()
+
+
+# -- createPoller: the ticker's poller in place of one per group -------------------------------
+#
+# SyncObj.__init__ builds its poller by calling the module global
+# pysyncobj.syncobj.createPoller(conf.pollerType) and hands it to its transport, which puts every
+# socket on it. using_poller replaces that global once (idempotently) with _create_poller, which
+# returns the poller set for the constructing thread, or the stock one when none is.
+
+_stock_create_poller = pysyncobj.syncobj.createPoller
+_next_poller = threading.local()
+
+
+def _create_poller(pollerType: str) -> Any:  # noqa: N803 (pysyncobj's name)
+    """Stands in for ``pysyncobj.syncobj.createPoller``."""
+    poller = getattr(_next_poller, "value", None)
+    if poller is None:
+        return _stock_create_poller(pollerType)
+    _next_poller.value = None
+    _next_poller.claimed = True
+    return poller
+
+
+@contextmanager
+def using_poller(poller: Any) -> Iterator[None]:
+    """While inside, a ``SyncObj`` constructed on this thread gets ``poller`` as its poller.
+    Raises ``RuntimeError`` if the block ends without pysyncobj asking for one."""
+    pysyncobj.syncobj.createPoller = _create_poller
+    _next_poller.value, _next_poller.claimed = poller, False
+    try:
+        yield
+    finally:
+        claimed = _next_poller.claimed
+        _next_poller.value, _next_poller.claimed = None, False
+    if not claimed:
+        raise RuntimeError("pysyncobj did not build its poller through createPoller: the raft "
+                           "ticker's poller was not installed (see kvps/raft/internals.py)")

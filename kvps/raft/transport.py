@@ -47,12 +47,15 @@ _SWEEP_PERIOD = 0.1  # seconds between timeout / keepalive sweeps
 
 def make_transport_class(*, secret: bytes, context: bytes, max_frame_bytes: int,
                          socket_buffer_bytes: int = 0,
-                         on_peer_gone: Callable[[str], None] | None = None) -> type[TCPTransport]:
+                         on_peer_gone: Callable[[str], None] | None = None,
+                         defer_bind: bool = False) -> type[TCPTransport]:
     """A ``TCPTransport`` subclass for ``SyncObj(transportClass=...)`` bound to these settings.
 
     ``socket_buffer_bytes == 0`` leaves SO_SNDBUF/SO_RCVBUF alone (setting them turns off Linux's
     buffer autotuning). ``on_peer_gone(address)`` is called on the tick thread when a member closed
     its connection and its Raft port then refused a probe (``kvps.raft.probe``).
+    ``defer_bind``: report ready while the group is being built, and bind on its ticks (a group
+    built on ``kvps.raft.ticker``'s thread; the class's ``deferring_bind`` is cleared once it is).
     """
     if not isinstance(secret, bytes) or len(secret) < 16:
         raise ValueError("secret must be at least 16 bytes")
@@ -66,7 +69,8 @@ def make_transport_class(*, secret: bytes, context: bytes, max_frame_bytes: int,
         raise ValueError("socket_buffer_bytes must be >= 0")
     stats = TransportStats()
     settings = PeerSettings(secret, context, max_frame_bytes, socket_buffer_bytes, stats, on_peer_gone)
-    return type("AuthTransport", (AuthTransport,), {"_settings": settings, "stats": stats})
+    return type("AuthTransport", (AuthTransport,), {"_settings": settings, "stats": stats,
+                                                    "deferring_bind": defer_bind})
 
 
 class AuthTransport(TCPTransport):
@@ -74,6 +78,11 @@ class AuthTransport(TCPTransport):
 
     _settings: PeerSettings | None = None
     stats: TransportStats | None = None  # set by make_transport_class
+    # Without autoTick, SyncObj.__init__ spins on ``tryGetReady`` until the port binds, which on
+    # the ticker's thread would stall every other group while a dead process's port lingers:
+    # while this is set the transport reports ready and binds from its first ticks instead
+    # (TCPTransport._onTick binds whenever it is not bound, as after a listener failure).
+    deferring_bind: bool = False
 
     def __init__(self, syncObj: Any, selfNode: Any, otherNodes: Any) -> None:
         if self._settings is None:
@@ -84,6 +93,10 @@ class AuthTransport(TCPTransport):
         self._appends = AppendPipeline(queue_cap=2 * self._settings.max_frame_bytes)
         self._probes: dict[Any, PortProbe] = {}  # node -> probe of its Raft port in flight
         super().__init__(syncObj, selfNode, otherNodes)
+
+    @property
+    def ready(self) -> bool:
+        return self.deferring_bind or internals.transport_ready(self)
 
     # -- connections and the listener -----------------------------------------------------------
 

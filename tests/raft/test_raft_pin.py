@@ -609,3 +609,54 @@ def test_the_audit_would_notice(tmp_path):
                       "class AuthTransport:\n    def _connToNode(self, conn):\n        return self._nodes\n")
     theirs = {"_isLeader", "_connToNode", "_nodes"}
     assert len(_audit(sample, theirs)) == 4
+
+
+# ---- the ticker: groups without autoTick on one poller (kvps/raft/ticker.py) ----------------------
+
+def test_a_group_without_auto_tick_builds_its_poller_through_create_poller_and_binds_on_ticks():
+    """kvps.raft.internals.using_poller replaces pysyncobj.syncobj.createPoller for one
+    construction; without autoTick, SyncObj.__init__ spins on the transport's ``ready`` (which
+    AuthTransport reports while ``deferring_bind``), and ``_onTick`` binds when it is not."""
+    init = src(SyncObj.__init__)
+    assert "self._poller = createPoller(self.__conf.pollerType)" in init
+    assert "createPoller" in SyncObj.__init__.__code__.co_names
+    assert pysyncobj.syncobj.createPoller in (internals._stock_create_poller, internals._create_poller)
+    assert "while not self.__transport.ready: self.__transport.tryGetReady()" in init
+    assert "if self.__conf.autoTick:" in init
+    tick = src(SyncObj._onTick)
+    assert "if not self.__transport.ready: try: self.__transport.tryGetReady()" in tick
+    assert tick.rstrip().endswith("self._poller.poll(timeToWait)")
+    assert "self._ready" in src(TCPTransport.ready.fget)
+    assert "self._maybeBind()" in src(TCPTransport._onTick)
+    assert "self.__transport.destroy()" in src(SyncObj._doDestroy)
+    assert params(SyncObj._onTick) == ["self", "timeToWait"]
+    assert "autoTick" in src(SyncObjConf.__init__)
+
+
+def test_the_ticker_accessors_drive_a_syncobj_without_auto_tick():
+    """using_poller hands our poller to a SyncObj being built; tick runs it; the transport is
+    bound once transport_ready says so; destroy_now closes it on this thread."""
+    import time
+
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{port.getsockname()[1]}"
+    port.close()
+    poller = createPoller("auto")
+    with internals.using_poller(poller):
+        obj = SyncObj(address, [], SyncObjConf(autoTick=False, raftMinTimeout=0.2, raftMaxTimeout=0.3,
+                                              appendEntriesPeriod=0.05))
+    try:
+        assert internals.poller(obj) is poller
+        assert pysyncobj.syncobj.createPoller("auto") is not poller  # only the one construction
+        deadline = time.monotonic() + 10
+        while not internals.is_leader(obj) and time.monotonic() < deadline:
+            internals.tick(obj)
+            time.sleep(0.01)
+        assert internals.is_leader(obj)
+        assert internals.transport_ready(obj._SyncObj__transport)
+    finally:
+        internals.destroy_now(obj)
+    with pytest.raises(RuntimeError, match="createPoller"):
+        with internals.using_poller(poller):
+            pass
