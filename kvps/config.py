@@ -180,6 +180,13 @@ class ServerConfig:
     # replicas are re-created on live nodes (one move at a time, zones respected) and it is
     # removed; it can only come back as a new node (kvps/node/liveness.py).
     node_dead_after: float = 600.0
+    # Where a node runs the replicas it hosts. 0: one OS process per replica (the first design:
+    # a replica that crashes takes nothing else down, but every process ticks, polls and
+    # heartbeats on its own: 0.32 cores for an idle 3 x 8 cluster here). 1: all of them in the
+    # node's own process, one event loop for their data ports and one Raft ticker for their
+    # groups (kvps/replica/resident.py); a replica that cannot follow its log is restarted there
+    # alone, a crash of the process takes the node's replicas down together. `kvps node --procs`.
+    procs: int = 0
 
     def validate(self) -> "ServerConfig":
         _positive(self, "max_request_bytes", "max_raw_bytes", "body_timeout", "batch_bytes",
@@ -194,6 +201,9 @@ class ServerConfig:
         if self.memory_limit is not None and (isinstance(self.memory_limit, bool)
                                               or not isinstance(self.memory_limit, int) or self.memory_limit < 1):
             raise ConfigError("memory_limit must be a positive int of bytes (or absent)", field="memory_limit")
+        if isinstance(self.procs, bool) or self.procs not in (0, 1):
+            raise ConfigError("procs must be 0 (one process per replica) or 1 (every replica in "
+                              "the node's process)", field="procs")
         if self.snapshot_every < 0 or self.snapshot_keep < 0:
             raise ConfigError("snapshot_every and snapshot_keep must be >= 0", field="snapshot_every")
         return self

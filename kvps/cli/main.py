@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvps.config import FSYNC_POLICIES, RaftConfig
+from kvps.config import FSYNC_POLICIES, RaftConfig, ServerConfig
 from kvps.errors import KvpsError
 from kvps.service.lifecycle import setup_logging
 
@@ -38,7 +38,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(args.data_dir, nodes=args.nodes, shards=args.shards,
                            replicas=args.replicas, port=args.port, tls_cert=args.tls_cert or "",
                            tls_key=args.tls_key or "", tls_ca=args.tls_ca or "",
-                           raft=RaftConfig(fsync=args.fsync))
+                           raft=RaftConfig(fsync=args.fsync), server=ServerConfig(procs=args.procs))
     stop = {"now": False}
 
     def on_signal(signum, frame):
@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="when Raft journal appends reach stable storage (default: %(default)s; "
                          "every choice survives kill -9, they differ on power loss: see README "
                          "Durability)")
+    up.add_argument("--procs", type=int, choices=(0, 1), default=ServerConfig.procs,
+                    help="where each node runs its replicas: 0, one process per replica; 1, all in "
+                         "the node's process (default: %(default)s)")
 
     node = sub.add_parser("node", help="run one node of a cluster")
     node.add_argument("--config", required=True)
@@ -98,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--zone", help="this node's failure domain (a rack, a zone), instead of its "
                                      "zone in cluster.toml: a shard never keeps two replicas in one "
                                      "zone while another can take one")
+    node.add_argument("--procs", type=int, choices=(0, 1),
+                      help="where this node runs its replicas: 0, one process per replica; 1, all "
+                           "in the node's process (one event loop, one Raft ticker). Default: "
+                           "[server] procs in cluster.toml")
     node.add_argument("--replace", action="store_true",
                       help="this node takes the place of node ID, whose data directory was lost: "
                            "a new incarnation whose replicas come back recovering (no vote until "
@@ -203,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "node":
             from kvps.node.main import run_node
             asyncio.run(run_node(Path(args.config).resolve(), args.id, replace=args.replace, bind=args.bind,
-                                 zone=args.zone))
+                                 zone=args.zone, procs=args.procs))
         elif args.command == "up":
             return _cmd_up(args)
         elif args.command == "status":

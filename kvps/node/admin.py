@@ -108,13 +108,13 @@ def _error_middleware(node: "Node"):
 def node_view(node: "Node") -> dict[str, Any]:
     replicas = []
     for rp in node.replicas.values():
-        alive = rp.proc is not None and rp.proc.poll() is None
+        alive, pid = rp.alive, rp.pid
         st = rp.status or {}
-        if not alive or st.get("pid") != rp.proc.pid:
+        if not alive or st.get("pid") != pid:
             st = {}  # a status polled from a process that has since died or been replaced
         replicas.append({
             "shard": rp.shard, "node": node.node_id, "alive": alive,
-            "pid": rp.proc.pid if alive else None, "restarts": rp.restarts,
+            "pid": pid, "restarts": rp.restarts,
             "raft": node.cfg.node(node.node_id).raft_address(rp.shard),
             "data_url": node.cfg.node(node.node_id).data_url(rp.shard),
             "role": st.get("role", "unknown"), "term": st.get("term"), "won_by": st.get("won_by"),
@@ -200,7 +200,7 @@ def make_app(node: "Node") -> web.Application:
 async def metrics_text(node: "Node") -> str:
     """This node's series plus every local replica's, as one exposition."""
     for rp in node.replicas.values():
-        up = rp.proc is not None and rp.proc.poll() is None
+        up = rp.alive
         node.metrics.replica_up.labels(shard=str(rp.shard), node=str(node.node_id)).set(1 if up else 0)
 
     async def one(rp: Any) -> str:

@@ -1,20 +1,25 @@
 """The node process's body: one ``Node`` from the cluster config, until SIGINT or SIGTERM."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from kvps.config import load_cluster
 from kvps.node.node import Node
 from kvps.service.auth import TokenStore, admin_token
-from kvps.service.lifecycle import stop_event
+from kvps.service.lifecycle import stop_event, tune_for_replicas
 from kvps.service.tls import client_context, server_context
 
 __all__ = ["run_node"]
 
 
 async def run_node(config: Path, node_id: int, *, replace: bool = False, bind: str | None = None,
-                   zone: str | None = None) -> None:
+                   zone: str | None = None, procs: int | None = None) -> None:
     cfg = load_cluster(config).with_bind(node_id, bind)
+    if procs is not None:  # --procs: where this node runs its replicas (ServerConfig.procs)
+        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, procs=procs).validate())
+    if cfg.server.procs == 1:
+        tune_for_replicas()
     base = config.parent
     token_file = base / cfg.token_file
     admin_token(token_file)  # without an admin token: ConfigError now rather than 401s later

@@ -34,7 +34,9 @@ log = logging.getLogger("kvps.meta")
 
 class MetaService:
     def __init__(self, cfg: ClusterConfig, node_id: int, members: list[int], data_dir: Path,
-                 secret: bytes, *, join: bool = False) -> None:
+                 secret: bytes, *, join: bool = False, ticker: Any = None) -> None:
+        """``ticker``: the node's ``kvps.raft.ticker.Ticker`` when its replicas run in its process
+        (the metadata group is ticked with them); None: a tick thread of its own."""
         self._lock = threading.Lock()
         self._state = MetaState.initial(cfg)
         addresses = [meta_address(cfg.node(n), cfg.shards) for n in members]
@@ -47,7 +49,8 @@ class MetaService:
             self_address=self.address, peers=[a for a in addresses if a != self.address],
             raft=cfg.raft, secret=secret, context="kvps/meta", journal_dir=self.journal_dir,
             applier=self._apply, snapshot_state=self._snapshot, restore_state=self._restore,
-            bind_address=cfg.node(node_id).raft_bind(int(self.address.rsplit(":", 1)[1])))
+            bind_address=cfg.node(node_id).raft_bind(int(self.address.rsplit(":", 1)[1])),
+            ticker=ticker)
         if join:  # a replica added to a running group: it must not depose the leader meanwhile
             from kvps.raft.membership import hold_elections
             hold_elections(self.group, 30.0)
@@ -141,7 +144,7 @@ class NodeMembership:
 
         from kvps.node.rebalance import MetaMover, MetaStore, Mover, Rebalancer
         self.meta = MetaService(self.node.cfg, self.node.node_id, self.meta_ids, self.node.data_dir,
-                                self.secret(), join=join)
+                                self.secret(), join=join, ticker=self.node.ticker)
         http = self.node.http
         mover = Mover(http, MetaStore(self.meta), self._node_config, timeout=600)
         meta_mover = MetaMover(http, self.meta, self._node_config, self.node.cfg.shards, timeout=600)

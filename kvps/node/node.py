@@ -1,8 +1,11 @@
-"""A node: supervises one replica process per hosted shard and serves the admin HTTP API.
+"""A node: hosts the replicas of its shards and serves the admin HTTP API.
 
-Replica processes are restarted when they exit (with a capped back-off). The node polls each local
-replica's ``/v1/status``, follows the metadata group's assignment (starting and retiring replicas
-as it changes), and serves the admin app (``kvps.node.admin``).
+``server.procs`` says where the replicas run: 0, one child process per replica (restarted when it
+exits; the node polls each one's ``/v1/status``); 1, in this process (``ResidentReplica``: one
+event loop, one Raft ticker; a replica that halts is restarted here alone and its status is read
+in-process). Either way restarts follow a capped back-off, and the node follows the metadata
+group's assignment (starting and retiring replicas as it changes) and serves the admin app
+(``kvps.node.admin``).
 """
 from __future__ import annotations
 
@@ -30,9 +33,12 @@ from kvps.node.meta_service import NodeMembership
 from kvps.node.metrics import NodeMetrics
 from kvps.node.process import python_module_args, spawn, stop_process
 from kvps.raft import recovery
+from kvps.raft.ticker import Ticker
+from kvps.replica.resident import ResidentReplica
 from kvps.node.snapshot_api import SnapshotService
 from kvps.service.connections import ConnectionLimits
 from kvps.service.auth import TokenStore
+from kvps.service.lifecycle import MALLOC_SETTINGS
 from kvps.service.http import PeerClient
 
 __all__ = ["Node", "ReplicaProcess"]
@@ -48,14 +54,8 @@ POLL_PERIOD_STABLE = 1.0
 SETTLE_SECONDS = 5.0
 RESTART_BACKOFF = (0.2, 5.0)
 
-# glibc returns every freed MB-sized buffer to the kernel (mmap threshold) and page-faults it
-# back on the next command; keeping them in the heap cut the leader's CPU per committed GiB by
-# ~40% in benchmarks/raft_raw.py --tune-malloc. Bounded: at most ~128 MiB idle per replica.
-REPLICA_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": str(16 << 20),
-    "MALLOC_TRIM_THRESHOLD_": str(128 << 20),
-    "MALLOC_TOP_PAD_": str(16 << 20),
-}
+# A replica process's malloc settings (kvps.service.lifecycle says why).
+REPLICA_ENV = {f"MALLOC_{name}_": str(value) for name, value in MALLOC_SETTINGS.items()}
 
 
 @dataclass
@@ -69,6 +69,14 @@ class ReplicaProcess:
     status_at: float = 0.0
     last_exit: int | None = None
     started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.alive else None
 
 
 class Node:
@@ -104,7 +112,12 @@ class Node:
         # Which shards this node hosts: the config's placement until replicas move (the metadata
         # group's assignment, followed by self.membership; persisted so a restart keeps it).
         self.assignment = self._load_assignment()
-        self.replicas = {s: ReplicaProcess(s) for s in self.assignment.shards_of(node_id)}
+        # server.procs = 1: every replica in this process, their groups on one ticker (run()).
+        self.resident = cfg.server.procs == 1
+        self.ticker = Ticker(name="raft-ticker") if self.resident else None  # the metadata group's too
+        self._secret: bytes | None = None
+        self.replicas: dict[int, ReplicaProcess | ResidentReplica] = {
+            s: self._new_replica(s) for s in self.assignment.shards_of(node_id)}
         # The metadata group (node list, assignment), followed; the rebalancer on its leader.
         self.membership = NodeMembership(self)
         self._stop_event: asyncio.Event | None = None
@@ -121,24 +134,55 @@ class Node:
 
     # ---- supervision -------------------------------------------------------------------------
 
-    def _start(self, rp: ReplicaProcess) -> None:
+    def _new_replica(self, shard: int) -> ReplicaProcess | ResidentReplica:
+        if not self.resident:
+            return ReplicaProcess(shard)
+        rr = ResidentReplica(self.cfg, self.node_id, shard, data_dir=self.data_dir,
+                             secret=self._cluster_secret(), tokens=self.tokens,
+                             ticker=self.ticker, server_ssl=self._server_ssl,
+                             client_ssl=self._client_ssl)
+        rr.backoff = RESTART_BACKOFF[0]
+        return rr
+
+    def _cluster_secret(self) -> bytes:
+        if self._secret is None:
+            self._secret = (self.config_path.parent / self.cfg.secret_file).read_bytes().strip()
+        return self._secret
+
+    def _start(self, rp: ReplicaProcess | ResidentReplica) -> None:
+        if recovery.prepare_start(self.data_dir, f"shard-{rp.shard}"):
+            log.warning("node %d: the data of its replica of shard %d is gone; it restarts empty "
+                        "and withholds its vote until it has caught up", self.node_id, rp.shard)
+        if isinstance(rp, ResidentReplica):
+            peers, joining = self._membership(rp.shard)
+            rp.start(peers=peers, joining=joining, on_down=self._resident_down)
+            return
         bind = self.cfg.node(self.node_id).bind
         args = python_module_args("kvps.cli", "replica", "--config", str(self.config_path),
                                   "--node", str(self.node_id), "--shard", str(rp.shard),
                                   *(["--bind", bind] if bind else []),
                                   *self._membership_args(rp.shard))
-        if recovery.prepare_start(self.data_dir, f"shard-{rp.shard}"):
-            log.warning("node %d: the data of its replica of shard %d is gone; it restarts empty "
-                        "and withholds its vote until it has caught up", self.node_id, rp.shard)
         log_path = self.data_dir / "logs" / f"shard-{rp.shard}.log"
         rp.proc = spawn(args, log_path, env=REPLICA_ENV)
         rp.started_at = time.monotonic()
         rp.status = None
         log.info("node %d: started replica of shard %d (pid %d)", self.node_id, rp.shard, rp.proc.pid)
 
+    def _resident_down(self, rr: ResidentReplica, reason: str) -> None:
+        """A resident replica failed to start or halted (it is being closed): restart it later."""
+        rr.next_start = time.monotonic() + rr.backoff
+        log.warning("node %d: replica of shard %d restarts in %.1fs (%s)", self.node_id, rr.shard,
+                    rr.backoff, reason)
+        rr.backoff = min(rr.backoff * 2, RESTART_BACKOFF[1])
+        rr.restarts += 1
+        self.metrics.replica_restarts.labels(shard=str(rr.shard), node=str(self.node_id)).inc()
+
     def _supervise_once(self) -> None:
         now = time.monotonic()
         for rp in self.replicas.values():
+            if isinstance(rp, ResidentReplica):
+                self._supervise_resident(rp, now)
+                continue
             if rp.proc is not None and rp.proc.poll() is None:
                 if now - rp.started_at > 10.0:
                     rp.backoff = RESTART_BACKOFF[0]  # it stayed up: forget earlier crashes
@@ -156,16 +200,29 @@ class Node:
             if now >= rp.next_start:
                 self._start(rp)
 
-    def _membership_args(self, shard: int) -> list[str]:
-        """``--peers`` (the other members now) and, for a replica placed here by a move that has
-        no data yet, ``--join``: it joins the existing group instead of bootstrapping one."""
+    def _supervise_resident(self, rr: ResidentReplica, now: float) -> None:
+        if rr.busy:
+            return
+        if rr.alive:
+            if now - rr.started_at > 10.0:
+                rr.backoff = RESTART_BACKOFF[0]  # it stayed up: forget earlier failures
+            return
+        if now >= rr.next_start:
+            self._start(rr)
+
+    def _membership(self, shard: int) -> tuple[list[str], bool]:
+        """The other members' Raft addresses now and, for a replica placed here by a move that
+        has no data yet, whether it joins the existing group instead of bootstrapping one."""
         peers = [self.cfg.node(n).raft_address(shard) for n in self.assignment.nodes_of(shard)
                  if n != self.node_id]
-        args = ["--peers", ",".join(peers)]
         shard_dir = self.data_dir / f"shard-{shard}"
-        if self.assignment.epochs[shard] > 0 and not (shard_dir.exists() and any(shard_dir.iterdir())):
-            args.append("--join")
-        return args
+        joining = self.assignment.epochs[shard] > 0 and not (shard_dir.exists() and any(shard_dir.iterdir()))
+        return peers, joining
+
+    def _membership_args(self, shard: int) -> list[str]:
+        """``--peers`` and ``--join`` (``_membership``) for a replica process."""
+        peers, joining = self._membership(shard)
+        return ["--peers", ",".join(peers), *(["--join"] if joining else [])]
 
     # ---- assignment (which shards this node hosts) ---------------------------------------------
 
@@ -191,16 +248,19 @@ class Node:
         self.assignment = new
         wanted = set(new.shards_of(self.node_id))
         for shard in sorted(wanted - set(self.replicas)):
-            self.replicas[shard] = ReplicaProcess(shard)
+            self.replicas[shard] = self._new_replica(shard)
             log.info("node %d: now hosts shard %d (assignment %d)", self.node_id, shard, new.version)
         gone = [self.replicas.pop(s) for s in sorted(set(self.replicas) - wanted)]
+        for rr in gone:
+            if isinstance(rr, ResidentReplica):
+                await rr.stop()  # before its data goes
         if gone:
             await asyncio.to_thread(self._retire, gone)
         return True
 
-    def _retire(self, gone: list[ReplicaProcess]) -> None:
+    def _retire(self, gone: list[ReplicaProcess | ResidentReplica]) -> None:
         for rp in gone:
-            if rp.proc is not None:
+            if isinstance(rp, ReplicaProcess) and rp.proc is not None:
                 stop_process(rp.proc, timeout=5.0)
             # Its Raft group no longer counts it: a stale journal must never rejoin it.
             shutil.rmtree(self.data_dir / f"shard-{rp.shard}", ignore_errors=True)
@@ -267,7 +327,11 @@ class Node:
             self._stop_event.set()
 
     async def _poll_once(self) -> None:
-        async def one(rp: ReplicaProcess) -> None:
+        async def one(rp: ReplicaProcess | ResidentReplica) -> None:
+            if isinstance(rp, ResidentReplica):  # in this process: read, not requested
+                rp.status = rp.read_status()
+                rp.status_at = time.monotonic()
+                return
             url = self.cfg.node(self.node_id).data_url(rp.shard) + "/v1/status"
             try:
                 rp.status = await self.http.json("GET", url, timeout=1.0)
@@ -329,7 +393,11 @@ class Node:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.membership.stop()
             await self.snapshots.close()
+            await asyncio.gather(*(rr.stop() for rr in self.replicas.values()
+                                   if isinstance(rr, ResidentReplica)), return_exceptions=True)
             await asyncio.to_thread(self._stop_replicas)
+            if self.ticker is not None:
+                await asyncio.to_thread(self.ticker.stop)
             await runner.cleanup()
             await self.http.close()
         if self.refusal is not None:
@@ -337,5 +405,5 @@ class Node:
 
     def _stop_replicas(self) -> None:
         for rp in self.replicas.values():
-            if rp.proc is not None:
+            if isinstance(rp, ReplicaProcess) and rp.proc is not None:
                 stop_process(rp.proc, timeout=5.0)

@@ -457,7 +457,8 @@ class ShardGroup(SyncObj):
         now = time.monotonic()
         if self._tick_thread is None:
             self._tick_thread = threading.current_thread()
-            name_native_thread("raft-tick")
+            if self._ticker is None:  # a ticker's thread keeps its own name
+                name_native_thread("raft-tick")
         elif self._last_tick is not None:
             # How long the tick thread went without ticking: a gap near the election timeout
             # means heartbeats stopped (disk waits, GIL, CPU starvation); /v1/status shows it.

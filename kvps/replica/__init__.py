@@ -7,7 +7,8 @@
 - ``history``: recent block versions, for exact XOR deltas in pulls
 - ``snapshot_store``: user snapshot files on disk
 - ``metrics``: the replica's Prometheus series
-- ``main``: the replica process's body
+- ``main``: the replica process's body (``server.procs = 0``: one process per replica)
+- ``resident``: a replica in its node's process (``server.procs = 1``), restarted there alone
 
 It imports nothing of ``kvps.node``: a node hosts replicas, never the other way round.
 """

@@ -6,7 +6,6 @@ SIGTERM."""
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 from aiohttp import web
@@ -17,16 +16,14 @@ from kvps.service.connections import ConnectionLimits
 from kvps.service.tls import client_context, server_context
 from kvps.replica.dataplane import make_app
 from kvps.replica.replica import Replica
-from kvps.service.lifecycle import stop_event
+from kvps.service.lifecycle import stop_event, tune_for_replicas
 
 __all__ = ["run_replica"]
 
 
 async def run_replica(config: Path, node_id: int, shard: int, peers: list[str] | None = None,
                       joining: bool = False, bind: str | None = None) -> None:
-    # Two busy threads share the GIL here (pysyncobj's tick thread and the event loop). With the
-    # default 5 ms switch interval every hand-off between them can stall a commit by 5 ms.
-    sys.setswitchinterval(0.0005)
+    tune_for_replicas()  # malloc is tuned by the node through this process's environment
     cfg = load_cluster(config).with_bind(node_id, bind)
     base = config.parent
     node = cfg.node(node_id)

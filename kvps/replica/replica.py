@@ -32,6 +32,7 @@ from kvps.merge import PushRequest, comparable_digests, is_finite
 from kvps.raft import bridge
 from kvps.raft import membership as raft_membership
 from kvps.raft.group import ShardGroup
+from kvps.raft.ticker import Ticker
 from kvps.replica.batcher import PushBatcher
 from kvps.replica.history import BlockHistory
 from kvps.replica.host import StateHost
@@ -82,17 +83,23 @@ class Replica:
         self.stats = ReplicaStats(shard, node_id)
         self._loop = asyncio.get_running_loop()
         self._applied = asyncio.Event()  # pulsed after every apply (follower reads wait on it)
+        self.leadership: Leadership | None = None  # set by open() once the group is built
+        self._early_role: str | None = None  # a role change seen before that
 
     @classmethod
     async def open(cls, cfg: ClusterConfig, node_id: int, shard: int, *, secret: bytes,
                    data_dir: Path, token: Callable[[], str], client_ssl: Any = None,
                    peers: list[str] | None = None, joining: bool = False,
-                   fatal: Callable[[str], None] = _exit) -> "Replica":
+                   fatal: Callable[[str], None] = _exit, ticker: Ticker | None = None,
+                   on_halted: Callable[[str], None] | None = None) -> "Replica":
         """A running replica. ``peers``: the other members' Raft addresses (None: the config's
         placement); ``joining``: it joins an existing group (a moved replica: no election of its
         own for a while, ``kvps.raft.membership``); ``token``: the current bearer token (for
         fetching snapshot files from peers); ``fatal(reason)``: what to do when this replica
-        cannot follow its log (exit, so the node restarts it)."""
+        cannot follow its log (exit, so the node restarts it; with a ``ticker``, raise
+        ``GroupHalted``: the group stops and ``on_halted(reason)`` is called on the ticker's
+        thread). ``ticker``: the process's Raft ticker (``kvps.replica.resident``); None: the
+        group runs pysyncobj's own tick thread (one replica per process)."""
         http = await PeerClient(token=token, ssl=client_ssl, timeout=30.0).open()
         self = cls(cfg, node_id, shard, data_dir, http, fatal)
         self.snapshots.start(self._loop)
@@ -100,18 +107,25 @@ class Replica:
             peers = [cfg.node(n).raft_address(shard) for n in cfg.replica_nodes(shard) if n != node_id]
         journal_dir = self._data_dir / f"shard-{shard}"
         journal_dir.mkdir(parents=True, exist_ok=True)
-        self.group = ShardGroup(
-            self_address=self.address, peers=peers, raft=cfg.raft, secret=secret,
+        build = functools.partial(
+            ShardGroup, self_address=self.address, peers=peers, raft=cfg.raft, secret=secret,
             context=f"kvps/shard={shard}", journal_dir=journal_dir, applier=self._apply,
             snapshot_state=self._snapshot_state, restore_state=self._restore_state,
             on_role_change=self._on_role_change, busy=self._serving_recently,
-            bind_address=cfg.node(node_id).raft_bind(cfg.node(node_id).port_base + 2 * shard))
+            bind_address=cfg.node(node_id).raft_bind(cfg.node(node_id).port_base + 2 * shard),
+            ticker=ticker, on_halted=on_halted)
+        # pysyncobj's own tick thread stops when the thread that built the group exits: build it
+        # here. A ticker builds it on its thread (opening the journal, loading the snapshot): wait
+        # for that in a worker thread, so the loop keeps serving the node's other replicas.
+        self.group = build() if ticker is None else await asyncio.to_thread(build)
         if joining:
             raft_membership.hold_elections(self.group, JOIN_ELECTION_HOLD)
         self.leadership = Leadership(cfg, shard, self.address, self.group, propose=self._propose,
                                      wait_applied=self._wait_applied, not_leader=self._not_leader)
         self.batcher = PushBatcher(self._propose, cfg.server, clock=self.cluster_time.now,
                                    on_batch=self.stats.count_batch)
+        if self._early_role is not None:
+            self.leadership.role_changed(self._early_role)
         return self
 
     async def stop(self) -> None:
@@ -184,6 +198,9 @@ class Replica:
 
     def _role_changed(self, role: str) -> None:
         self.stats.leader_changed()
+        if self.leadership is None:  # a ticker's group ticks while open() still builds the rest
+            self._early_role = role
+            return
         self.leadership.role_changed(role)
 
     async def _propose(self, data: bytes) -> Any:
