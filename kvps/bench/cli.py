@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=int, default=None, help="kvps cluster shards (default 8)")
     p.add_argument("--fsync", choices=("never", "interval", "always"), default=None,
                    help="kvps journal fsync policy (default interval, kvps's own default)")
+    p.add_argument("--procs", type=int, choices=(0, 1), default=None,
+                   help="where the kvps nodes run their replicas (0: a process per replica, 1: in "
+                        "the node's process); B1 also measures the other one")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 
@@ -63,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     plan = PLANS[args.plan or ("quick" if args.quick else "full")]
     plan = with_overrides(plan, workers=args.workers, b1_seconds=args.seconds, b3_kills=args.kills,
+                          kvps_procs=args.procs,
                           shards=args.shards, kvps_fsync=args.fsync)
     out = Path(args.out)
     systems = tuple(s for s in SYSTEMS if s not in args.skip)

@@ -165,10 +165,10 @@ def run_workers(target: Callable, args: tuple, n: int, *, warmup: float, seconds
 
 
 def process_usage(match: Callable[[int, int, int], bool]) -> dict[str, float]:
-    """CPU seconds (user + system, ``cpu_s``) and minor page faults (``minflt``: pages the
-    processes touched for the first time, DESIGN §11) of the live processes for which
-    ``match(pid, ppid, sid)``."""
-    ticks = faults = 0
+    """CPU seconds (user + system, ``cpu_s``), minor page faults (``minflt``: pages the
+    processes touched for the first time, DESIGN §11) and the number (``processes``) of the live
+    processes for which ``match(pid, ppid, sid)``."""
+    ticks = faults = count = 0
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -181,7 +181,8 @@ def process_usage(match: Callable[[int, int, int], bool]) -> dict[str, float]:
         if match(int(name), int(fields[1]), int(fields[3])):
             ticks += int(fields[11]) + int(fields[12])
             faults += int(fields[7])
-    return {"cpu_s": ticks / os.sysconf("SC_CLK_TCK"), "minflt": faults}
+            count += 1
+    return {"cpu_s": ticks / os.sysconf("SC_CLK_TCK"), "minflt": faults, "processes": count}
 
 
 def page_cache_bytes() -> int:

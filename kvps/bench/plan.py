@@ -9,7 +9,7 @@ from kvps.bench.workload import Model
 __all__ = ["PLANS", "Plan", "SECTIONS", "SYSTEMS", "with_overrides"]
 
 KiB, MiB = 1 << 10, 1 << 20
-SECTIONS = ("b1", "b2", "b3", "b4", "b5", "b6")
+SECTIONS = ("b0", "b1", "b2", "b3", "b4", "b5", "b6")
 SYSTEMS = ("kvps", "redis", "rpc", "inmem")
 
 
@@ -36,6 +36,14 @@ class Plan:
     # threads: 78 elections and 1.66 steps/s vs 0 and 2.43; with every 32 MiB the two tie, 2.68
     # vs 2.70 steps/s.) `kvps bench --fsync never` runs it for every section.
     kvps_fsync: str = "interval"
+    # Where the kvps nodes run their replicas (ServerConfig.procs: 0, a process per replica; 1,
+    # all in the node's process), and whether B1 also runs the other one beside it.
+    kvps_procs: int = 0
+    b1_procs_row: bool = True
+    # B0: an idle cluster of the plan's size, for each process model: settle (leaders spread,
+    # then this many s), then CPU counted over b0_seconds.
+    b0_settle: float = 5.0
+    b0_seconds: float = 20.0
     # B2: payload sizes, seconds per (system, size, batching).
     b2_sizes: tuple[int, ...] = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB)
     b2_seconds: float = 4.0
@@ -54,7 +62,11 @@ class Plan:
     def estimates(self, sections: tuple[str, ...], systems: tuple[str, ...]) -> dict[str, float]:
         """Phase -> rough seconds on the 2-core machine (for the progress bar only)."""
         b1 = self.b1_warmup + self.b1_seconds
+        other = 1 - self.kvps_procs
         est = {"B5 limits": 2 * self.b5_seconds + 3,
+               "B0 kvps (procs 0)": 15 + self.shards + self.b0_settle + self.b0_seconds,
+               "B0 kvps (procs 1)": 15 + self.shards + self.b0_settle + self.b0_seconds,
+               f"start kvps (procs {other})": 15 + self.shards, f"B1 kvps (procs {other})": b1 + 10,
                "B1 inmem": b1 + 3, "B1 rpc": b1 + 25, "start redis": 2, "B1 redis": b1 + 8,
                "start redis (aof)": 2, "B1 redis (aof)": b1 + 8,
                "start kvps (fsync never)": 15 + self.shards, "B1 kvps (fsync never)": b1 + 10,
@@ -68,7 +80,10 @@ class Plan:
                "B6 kvps": self.b6_warmup + self.b6_seconds + 8}
         wanted = {}
         for phase, seconds in est.items():
-            if "(" in phase and not self.b1_fairness:
+            if "(procs" in phase and not phase.startswith("B0"):
+                if not self.b1_procs_row:
+                    continue  # the other process model's B1 row
+            elif "(" in phase and not phase.startswith("B0") and not self.b1_fairness:
                 continue  # a fairness row: "start redis (aof)", "B1 kvps (fsync never)"
             section, _, system = phase.partition(" ")
             system = system.split(" ")[0]
@@ -82,11 +97,12 @@ class Plan:
 
 PLANS = {
     "full": Plan("full"),
-    "quick": Plan("quick", b1_warmup=6.0, b1_seconds=6.0, b1_fairness=False,
+    "quick": Plan("quick", b1_warmup=6.0, b1_seconds=6.0, b1_fairness=False, b0_settle=3.0, b0_seconds=8.0,
                   b2_sizes=(4 * KiB, 64 * KiB, MiB, 4 * MiB), b2_seconds=1.5, b3_kills=3, b4_repeats=3, b5_seconds=1.0, b6_warmup=1.0, b6_seconds=4.0),
     # For tests: seconds, not minutes. Small model, 2 shards, one of everything.
     "tiny": Plan("tiny", workers=2, model=Model(tensors=4, tensor_bytes=256 * KiB), b1_warmup=0.3,
-                 b1_seconds=1.0, b1_fairness=False, shards=2, b2_sizes=(64 * KiB,), b2_seconds=0.4, b3_kills=1,
+                 b1_seconds=1.0, b1_fairness=False, b1_procs_row=False, b0_settle=0.2, b0_seconds=0.5,
+                 shards=2, b2_sizes=(64 * KiB,), b2_seconds=0.4, b3_kills=1,
                  b3_model=Model(tensors=2, tensor_bytes=64 * KiB), b4_repeats=1, b5_seconds=0.2,
                  b6_work=SparseWork(rows=5000, dim=16, lookups=256, batches=4), b6_warmup=0.3,
                  b6_seconds=1.0),

@@ -12,8 +12,9 @@ import matplotlib.pyplot as plt
 __all__ = ["write_plots"]
 
 MB = 1e6
-LABELS = {"kvps": "kvps (3 replicas)", "redis": "Redis + 2 replicas", "rpc": "PyTorch RPC (1 copy)",
-          "inmem": "in-memory"}
+LABELS = {"kvps": "kvps (3 replicas)", "kvps_procs0": "kvps, process\nper replica",
+          "kvps_procs1": "kvps, replicas\nin node process", "redis": "Redis + 2 replicas",
+          "rpc": "PyTorch RPC (1 copy)", "inmem": "in-memory"}
 
 
 def write_plots(results: dict, out: Path) -> list[str]:
@@ -32,10 +33,12 @@ def write_plots(results: dict, out: Path) -> list[str]:
 
 
 def _b1(b1: dict, path: Path) -> Path:
-    names = [n for n in ("kvps", "redis", "rpc", "inmem") if n in b1["systems"]]
+    colors = {"kvps": "#2a7", "kvps_procs0": "#5c9", "kvps_procs1": "#5c9", "redis": "#c33",
+              "rpc": "#36c", "inmem": "#999"}
+    names = [n for n in colors if n in b1["systems"]]
     values = [b1["systems"][n]["steps_per_s"] for n in names]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    bars = ax.bar([LABELS[n] for n in names], values, color=["#2a7", "#c33", "#36c", "#999"][:len(names)])
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    bars = ax.bar([LABELS[n] for n in names], values, color=[colors[n] for n in names])
     ax.bar_label(bars, fmt="%.2f")
     ax.set_ylabel("steps/s (all workers)")
     ax.set_title("B1: pull + push of the whole model")

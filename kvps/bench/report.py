@@ -30,6 +30,8 @@ TARGETS = (
      ("b1", "systems", "kvps", "page_cache_mib_per_step"), 1.0, "<="),
     ("b1_elections", "B1 kvps elections with no fault = 0", ("b1", "systems", "kvps", "role_changes"), 0, "<="),
     ("b1_retries", "B1 kvps client retries = 0", ("b1", "systems", "kvps", "client_retries"), 0, "<="),
+    ("b0_idle", "B0 idle settled cluster ≤ 0.05 cores (replicas in the node's process)",
+     ("b0", "procs_1", "cores"), 0.05, "<="),
     ("b3_p50", "B3 kill → first commit p50 ≤ 0.5 s", ("b3", "p50_s"), 0.5, "<="),
     ("b3_max", "B3 kill → first commit max ≤ 1.5 s", ("b3", "max_s"), 1.5, "<="),
 )
@@ -124,6 +126,8 @@ def render_markdown(r: dict) -> str:
     if r.get("skipped"):
         out += ["**Skipped:** " + "; ".join(f"{k}: {v}" for k, v in r["skipped"].items()), ""]
     out += _targets_md(r)
+    if "b0" in r:
+        out += _b0_md(r)
     if "b1" in r:
         out += _b1_md(r)
     if "b2" in r:
@@ -155,6 +159,20 @@ def _b6_md(b6: dict) -> list[str]:
     return rows + [""]
 
 
+def _b0_md(r: dict) -> list[str]:
+    c = r["meta"].get("kvps_cluster", {})
+    rows = ["## B0 — an idle cluster", "",
+            (f"{c.get('nodes', 3)} nodes × {c.get('shards', 8)} shards × 3 replicas, started, leaders "
+             "spread, settled, then nobody calls it: CPU of every kvps process (nodes and replica "
+             "processes) over the window, in cores."), "",
+            "| replicas run | processes | idle cores | load |", "|---|---:|---:|---:|"]
+    where = {0: "one process per replica (`procs = 0`)", 1: "in the node's process (`procs = 1`)"}
+    for row in r["b0"].values():
+        rows.append(f"| {where[row['procs']]} | {row.get('processes', '–')} | {_f(row['cores'], 3)} | "
+                    f"{_f(row.get('load_avg'), 1)} |")
+    return rows + [""]
+
+
 def _targets_md(r: dict) -> list[str]:
     rows = ["## Targets", "", "| target | measured | met |", "|---|---:|:---:|"]
     for t in r.get("targets", []):
@@ -181,6 +199,8 @@ def _b1_md(r: dict) -> list[str]:
     labels = {"kvps": "kvps (3 replicas, exactly-once)", "redis": "Redis primary + 2 replicas, WAIT 2",
               "rpc": "PyTorch RPC PS (1 copy)", "inmem": "in-memory, 1 process",
               "kvps_fsync_never": "kvps, fsync `never`",
+              "kvps_procs0": "kvps, a process per replica (`procs = 0`)",
+              "kvps_procs1": "kvps, replicas in the node's process (`procs = 1`)",
               "redis_aof": "Redis, WAIT 2, `appendonly yes` + `appendfsync everysec` on all three"}
     sem = {"rpc": "unreplicated: a crash loses the model", "inmem": "ceiling: no network, no copies kept"}
     for name in labels:

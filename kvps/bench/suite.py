@@ -46,11 +46,14 @@ def run_suite(plan: Plan, sections: tuple[str, ...], systems: tuple[str, ...],
     b1: dict[str, Any] = {}
     b2: dict[str, Any] = {}
     b6: dict[str, Any] = {}
+    results["meta"]["kvps_cluster"]["procs"] = plan.kvps_procs
     if "b5" in sections:
         with progress.phase("B5 limits"):
             results["b5"] = {"loopback_bytes_per_s": limits.loopback_bytes_per_s(plan.b5_seconds),
                              "memcpy_bytes_per_s": limits.memcpy_bytes_per_s(plan.b5_seconds),
                              "load_avg": _load()}
+    if "b0" in sections and "kvps" in systems:
+        results["b0"] = _b0(plan, progress)
     if "b1" in sections and "inmem" in systems:
         with progress.phase("B1 inmem"):
             from kvps.bench.workload import inmem_baseline
@@ -217,6 +220,13 @@ def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dict
                                  "load_avg": _load(),
                                  "model": {"tensors": plan.b3_model.tensors,
                                            "tensor_bytes": plan.b3_model.tensor_bytes}}
+    if "b1" in sections and plan.b1_procs_row:
+        # the other process model (ServerConfig.procs), same semantics, same window
+        other = 1 - plan.kvps_procs
+        with _kvps_cluster(plan, plan.kvps_fsync, progress, f"start kvps (procs {other})",
+                           procs=other) as (cluster, usage):
+            with progress.phase(f"B1 kvps (procs {other})"):
+                b1[f"kvps_procs{other}"] = {**_b1_kvps(plan, cluster, usage), "procs": other}
     if "b1" in sections and plan.b1_fairness and plan.kvps_fsync != "never":
         # the fairness row: Redis persists nothing; this is kvps without fsync
         with _kvps_cluster(plan, "never", progress, "start kvps (fsync never)") as (cluster, usage):
@@ -226,16 +236,36 @@ def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dict
                                                        "not a power loss of a majority"}
 
 
+def _b0(plan: Plan, progress: Progress) -> dict[str, Any]:
+    """B0: the CPU an idle, settled cluster burns, per process model (ServerConfig.procs)."""
+    out: dict[str, Any] = {}
+    for procs in (0, 1):
+        phase = f"B0 kvps (procs {procs})"
+        with _kvps_cluster(plan, plan.kvps_fsync, progress, phase, procs=procs) as (cluster, usage):
+            with progress.phase(phase):
+                time.sleep(plan.b0_settle)  # nothing is measured yet: the cluster settles
+                before, t0 = usage(), time.monotonic()
+                time.sleep(plan.b0_seconds)
+                after, t1 = usage(), time.monotonic()
+                out[f"procs_{procs}"] = {
+                    "procs": procs, "cores": (after["cpu_s"] - before["cpu_s"]) / (t1 - t0),
+                    "processes": after.get("processes"), "seconds": round(t1 - t0, 2),
+                    "load_avg": _load()}
+    return out
+
+
 @contextmanager
-def _kvps_cluster(plan: Plan, fsync: str, progress: Progress, phase: str) -> Iterator[tuple[Any, Callable]]:
+def _kvps_cluster(plan: Plan, fsync: str, progress: Progress, phase: str,
+                  procs: int | None = None) -> Iterator[tuple[Any, Callable]]:
     """A started ``LocalCluster`` of the plan's size with its leaders spread, and the
-    ``process_usage`` sampler of its processes."""
-    from kvps.config import RaftConfig
+    ``process_usage`` sampler of its processes. ``procs``: ServerConfig.procs (None: the plan's)."""
+    from kvps.config import RaftConfig, ServerConfig
     from kvps.node.local import LocalCluster
 
+    procs = plan.kvps_procs if procs is None else procs
     with tempfile.TemporaryDirectory(prefix="kvps-bench-") as tmp, \
             LocalCluster(Path(tmp), nodes=plan.nodes, shards=plan.shards,
-                         raft=RaftConfig(fsync=fsync)) as cluster:
+                         raft=RaftConfig(fsync=fsync), server=ServerConfig(procs=procs)) as cluster:
         with progress.phase(phase):
             cluster.start(timeout=120)
             # the leaders first spread over the nodes (transfers: not elections under load)

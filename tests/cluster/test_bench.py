@@ -40,13 +40,15 @@ def test_derive_names_ratios_and_targets():
                           [(9.0, 9.1), (10.0, 10.5), (20.0, 20.1)], None),
                "model": {"tensors": 16, "tensor_bytes": 1 << 20}},
         "b5": {"loopback_bytes_per_s": 3e9, "memcpy_bytes_per_s": 6e9},
+        "b0": {"procs_0": {"procs": 0, "cores": 0.3, "processes": 27},
+               "procs_1": {"procs": 1, "cores": 0.04, "processes": 3}},
     }
     derive(results)
     met = {t["name"]: t["met"] for t in results["targets"]}
     assert met == {"b1_vs_redis": True, "b1_vs_rpc": None, "b2_1mib_vs_redis": None,
                    "b1_vs_redis_half": True, "b1_server_cpu": None, "b1_server_faults": None,
                    "b1_page_cache": None, "b1_elections": None, "b1_retries": None,
-                   "b3_p50": False, "b3_max": False}  # median of (0.4, 2.0) is 1.2
+                   "b0_idle": True, "b3_p50": False, "b3_max": False}  # median of (0.4, 2.0) is 1.2
     # L: 4 models over loopback at 3 GB/s + 11.5 models through memory at 6 GB/s, on 2 cores
     model = 64 << 20
     limit = 2 / (4 * model / 3e9 + 11.5 * model / 6e9)
@@ -57,6 +59,7 @@ def test_derive_names_ratios_and_targets():
     md = render_markdown(results)
     assert "| B3 kill → first commit max ≤ 1.5 s | 2.00 | **no** |" in md
     assert "**Physical limit** L = " in md
+    assert "| in the node's process (`procs = 1`) | 3 | 0.040 |" in md
 
 
 def test_updates_lost_counts_the_pushes_missing_from_the_final_values():
@@ -102,7 +105,12 @@ def test_tiny_bench_runs_every_section(tmp_path, capsys):
     assert {t["name"] for t in results["targets"]} >= {"b1_vs_redis", "b3_p50"}
     b6 = results["b6"]["systems"]
     assert b6["kvps"]["rows_per_s"] > 0 and results["b6"]["workload"]["rows_per_step"] > 1
-    for section in ("## B1", "## B2", "## B3", "## B4", "## B5", "## B6", "## Targets"):
+    b0 = results["b0"]
+    assert b0["procs_0"]["cores"] > 0 and b0["procs_1"]["cores"] > 0
+    # every replica a process of its own (3 nodes + 3 x 2 replicas), or only the 3 nodes
+    assert b0["procs_0"]["processes"] == 3 + 3 * 2 and b0["procs_1"]["processes"] == 3
+    assert results["meta"]["kvps_cluster"]["procs"] == 0
+    for section in ("## B0", "## B1", "## B2", "## B3", "## B4", "## B5", "## B6", "## Targets"):
         assert section in md
 
     reason = redis_missing_reason(install=False)
