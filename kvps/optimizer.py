@@ -106,8 +106,9 @@ def _first(step: Step, value: np.ndarray) -> Any:
 # ---- optimizers ---------------------------------------------------------------------------------
 
 def _rows2d(x: np.ndarray) -> np.ndarray:
-    """``x`` as (rows, cols): the first axis is the row (a 1-d block: one element per row)."""
-    return x.reshape(len(x), -1) if x.ndim else x.reshape(1, 1)
+    """``x`` as (rows, cols): the first axis is the row (a 1-d block: one element per row). The
+    columns are named, not ``-1``: a push whose rows were all left out by admission has none."""
+    return x.reshape(len(x), math.prod(x.shape[1:])) if x.ndim else x.reshape(1, 1)
 
 
 def _row_sumsq(x: np.ndarray) -> np.ndarray:

@@ -209,3 +209,17 @@ def test_dicts_round_trip_and_clip_left_out_when_off():
 def test_from_dict_rejects_junk(junk):
     with pytest.raises(InvalidRequest):
         optimizer_from_dict(junk)
+
+
+@pytest.mark.parametrize("opt", [RowWiseAdagrad(lr=0.1), SGD(lr=0.1, clip_norm=1.0), FTRL(), clipped(Add(), 2.0)])
+def test_a_push_whose_rows_are_all_left_out_by_admission_applies(opt):
+    """Count admission leaves every row of a first push out: the optimizer steps zero rows."""
+    shard = ShardState(0)
+    shard.apply(CreateTable("e", 4, "float32", optimizer_to_dict(opt), {"name": "zeros"}, "sum",
+                            {"admit": {"name": "count", "min_count": 2}})).result
+    ids, g = np.int64([3, 8]), np.ones((2, 4), np.float32)
+    for seq in (1, 2):
+        got = shard.apply(merge([PushRequest("c", seq, seq, rows=(("e", ids, g),))], {"e": "sum"},
+                                now=float(seq))).result["results"][("c", seq)]
+        assert "versions" in got, got
+    assert shard.describe("e")["rows"] == 2
