@@ -13,6 +13,7 @@ validate and compute everything before it mutates anything.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +22,7 @@ from kvps.command import CreateTable
 from kvps.errors import KvpsError, ShapeMismatch
 from kvps.initializer import Initializer, initializer_from_dict
 from kvps.lifecycle import CountAdmission, Lifecycle, Pending, ProbabilityAdmission, least, lifecycle_from_dict
-from kvps.optimizer import Optimizer, optimizer_from_dict
+from kvps.optimizer import Optimizer, fitted_state, optimizer_from_dict
 from kvps.rows import RowIndex
 
 __all__ = ["RECORD_BYTES", "RowUpdate", "Table"]
@@ -41,7 +42,7 @@ class RowUpdate:
     ids: np.ndarray  # (n,) int64
     slots: np.ndarray  # (n,) int64
     values: np.ndarray  # (n, dim)
-    state: dict[str, np.ndarray]  # name -> (n, dim)
+    state: dict[str, np.ndarray]  # name -> (n, *state_row): (n, dim), or (n, 1) for row-wise
     versions: np.ndarray  # (n,) int64
     steps: np.ndarray  # (n,) int64
     pushes: np.ndarray  # (n,) int64 pushes counted for each row (LFU)
@@ -70,6 +71,8 @@ class Table:
         self.optimizer: Optimizer = optimizer_from_dict(optimizer)
         self.init: Initializer = initializer_from_dict(init)
         self.lifecycle: Lifecycle | None = lifecycle_from_dict(lifecycle)
+        # one row's optimizer state: (dim,), or (1,) for an optimizer that keeps a number per row
+        self.state_row = self.optimizer.state_shape((0, dim))[1:]
         self.pending = Pending()
         self.index = RowIndex()
         self.n = 0
@@ -87,7 +90,8 @@ class Table:
     @property
     def row_bytes(self) -> int:
         """Accounted bytes of one stored row: values, optimizer state, record and index entry."""
-        return self.dim * self.dtype.itemsize * (1 + len(self.optimizer.state_names())) + RECORD_BYTES + INDEX_BYTES
+        state = len(self.optimizer.state_names()) * math.prod(self.state_row)
+        return (self.dim + state) * self.dtype.itemsize + RECORD_BYTES + INDEX_BYTES
 
     def nbytes(self, update: RowUpdate | None = None) -> int:
         """Accounted bytes of the rows and pending counters, now or after ``update``."""
@@ -107,8 +111,8 @@ class Table:
         self.steps = np.zeros(capacity, dtype=np.int64)  # (cap,)
         self.last = np.zeros(capacity, dtype=np.float64)  # (cap,) cluster time of the last push
         self.count = np.zeros(capacity, dtype=np.int64)  # (cap,) pushes applied to the row
-        self.state = {name: np.zeros((capacity, self.dim), dtype=self.dtype)
-                      for name in self.optimizer.state_names()}  # name -> (cap, dim)
+        self.state = {name: np.zeros((capacity, *self.state_row), dtype=self.dtype)
+                      for name in self.optimizer.state_names()}  # name -> (cap, *state_row)
 
     def _columns(self) -> list[np.ndarray]:
         return [self.ids, self.values, self.versions, self.steps, self.last, self.count,
@@ -210,7 +214,7 @@ class Table:
         fresh_state = self.optimizer.init_state(fresh)
         state = {}
         for name in self.optimizer.state_names():
-            rows = np.empty((len(slots), self.dim), dtype=self.dtype)  # (n, dim)
+            rows = np.empty((len(slots), *self.state_row), dtype=self.dtype)  # (n, *state_row)
             rows[stored], rows[~stored] = self.state[name][picked], fresh_state[name]
             state[name] = rows
         steps = np.zeros(len(slots), dtype=np.int64)
@@ -341,9 +345,9 @@ class Table:
             raise ValueError("table ids/versions/steps must be 1-d int64")
         if versions.shape != (n,) or steps.shape != (n,) or len(np.unique(ids)) != n:
             raise ValueError("table arrays disagree")
-        for arr in (values, *state):
-            if arr.shape != (n, self.dim) or arr.dtype != self.dtype:
-                raise ValueError("table rows have the wrong shape or dtype")
+        state = [fitted_state(self.optimizer, arr, (n, self.dim)) for arr in state]  # (n, *state_row)
+        if values.shape != (n, self.dim) or any(arr.dtype != self.dtype for arr in (values, *state)):
+            raise ValueError("table rows have the wrong shape or dtype")
         self._allocate(n)
         self.ids[:], self.values[:], self.versions[:], self.steps[:] = ids, values, versions, steps
         for name, arr in zip(self.optimizer.state_names(), state):
