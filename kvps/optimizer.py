@@ -152,6 +152,11 @@ class Optimizer:
         optimizer keeps one number per row (the first axis), when the other axes are 1."""
         return shape
 
+    def uses_step(self) -> bool:
+        """Does ``step`` change what ``step()`` computes, for this optimizer and every schedule of
+        it (``kvps.hyper``)? A table keeps a step count per row only when it does."""
+        return True
+
     def init_state(self, value: np.ndarray) -> State:
         return {}
 
@@ -178,6 +183,9 @@ class Add(Optimizer):
 
     def __post_init__(self) -> None:
         self._check_clip()
+
+    def uses_step(self):
+        return False
 
     def _update(self, value, grad, state, step):
         return value + grad, {}
@@ -207,6 +215,9 @@ class SGD(Optimizer):
 
     def init_state(self, value):
         return {"momentum_buffer": np.zeros_like(value)} if self.momentum else {}
+
+    def uses_step(self):
+        return bool(self.momentum)  # the buffer starts as the first gradient; no schedule toggles it
 
     def _update(self, value, grad, state, step):
         g = grad
@@ -248,6 +259,9 @@ class Adagrad(Optimizer):
 
     def init_state(self, value):
         return {"sum": np.full_like(value, self.initial_accumulator_value)}
+
+    def uses_step(self):
+        return True  # lr_decay reads it, and a schedule may set lr_decay on a key created without
 
     def _update(self, value, grad, state, step):
         g = grad
@@ -346,6 +360,9 @@ class RowWiseAdagrad(Optimizer):
     def init_state(self, value):
         return {"sum": np.full(self.state_shape(value.shape), self.initial_accumulator, dtype=value.dtype)}
 
+    def uses_step(self):
+        return False
+
     def _update(self, value, grad, state, step):
         g2 = _rows2d(grad)  # (rows, cols)
         sq = g2[:, 0] * g2[:, 0]  # (rows,) in the value's dtype, columns added in order
@@ -384,6 +401,9 @@ class FTRL(Optimizer):
 
     def init_state(self, value):
         return {"z": np.zeros_like(value), "n": np.zeros_like(value)}
+
+    def uses_step(self):
+        return False
 
     def _update(self, value, grad, state, step):
         alpha = _coef(self.alpha, value)

@@ -21,6 +21,7 @@ import pytest
 from kvps.command import CreateKey, CreateTable, Hyperparams, SetRows
 from kvps.merge import PushRequest, merge
 from kvps.shard import ShardState
+from kvps.table import LAYOUT
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 NORMAL = {"name": "normal", "seed": 7, "std": 0.5}
@@ -95,10 +96,21 @@ def _go_on(s: ShardState) -> ShardState:
     return s
 
 
-def test_snapshot_of_the_first_table_layout_restores_as_a_replay():
-    """Written by the layout before per-table columns (every row: int64 id, version, step, push
-    count, float64 last push; row-wise accumulators per element). Never regenerated."""
-    old = ShardState.restore((GOLDEN / "snapshot_tables_v1.bin").read_bytes())
+@pytest.mark.parametrize("layout", range(1, LAYOUT + 1))
+def test_snapshot_of_every_table_layout_restores_as_a_replay(layout):
+    """1: every row with int64 id, version, step, push count and float64 last push, row-wise
+    accumulators per element. 2: only the columns the table reads (kvps.record)."""
+    old = ShardState.restore((GOLDEN / f"snapshot_tables_v{layout}.bin").read_bytes())
     now = _replayed()
     assert _reads(old) == _reads(now)
     assert _go_on(old).snapshot() == _go_on(now).snapshot()
+
+
+def test_snapshot_of_the_current_table_layout_is_pinned():
+    path = GOLDEN / f"snapshot_tables_v{LAYOUT}.bin"
+    data = _replayed().snapshot()
+    if os.environ.get("KVPS_REGEN_GOLDEN") == "1":
+        path.write_bytes(data)
+    assert data == path.read_bytes()
+    assert ShardState.restore(data).snapshot() == data
+    assert LAYOUT == 1 or b'"layout":%d' % LAYOUT in data
