@@ -37,7 +37,9 @@ import numpy as np
 __all__ = ["INDEX_BYTES", "RecordLayout", "U32_MAX", "far_ids", "id_dtype", "version_dtype"]
 
 U32_MAX = 2**32 - 1
-# The hash index's entry (``kvps.rows``): 4 bytes, at a load between 0.375 and 0.75, counted as 8.
+# The hash index's entry (``kvps.rows``): 4 bytes at a load of at least ``rows.MIN_LOAD`` (0.5)
+# while rows are added, so at most 8 a row. Like the row arrays, the index does not shrink when
+# rows are evicted.
 INDEX_BYTES = 8
 
 

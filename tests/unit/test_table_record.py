@@ -11,6 +11,7 @@ from kvps.errors import CapacityExceeded, CodecError
 from kvps.delta import frame
 from kvps.optimizer import FTRL, SGD, Adagrad, Adam, Add, RowWiseAdagrad, clipped, optimizer_to_dict
 from kvps.record import INDEX_BYTES, U32_MAX
+from kvps.rows import MIN_LOAD, RowIndex
 from kvps.shard import ShardState
 
 ZEROS = {"name": "zeros"}
@@ -176,3 +177,22 @@ def test_snapshots_hold_int64_columns_and_refuse_what_does_not_fit():
         restore({"layout": 3})
     with pytest.raises(CodecError):
         restore(steps_value=2**32)  # a step past every version of a table still narrow
+
+
+# ---- the index -------------------------------------------------------------------------------
+
+def test_the_index_never_costs_more_than_its_accounted_bytes_while_rows_are_added():
+    """4 bytes an entry at a load of at least 0.5 after every rebuild (power-of-two sizes let it
+    fall to 0.25: 16 bytes a row, twice what was accounted)."""
+    assert 4 / MIN_LOAD <= INDEX_BYTES
+    rng = np.random.default_rng(3)
+    keys, index, n, worst = np.zeros(200_000, np.int64), RowIndex(), 0, 0.0
+    while n < len(keys) - 5000:
+        fresh = n + np.arange(int(rng.integers(1, 5000)))
+        keys[fresh] = fresh * 7919 + 13
+        index.insert(keys[fresh], fresh, keys)
+        n += len(fresh)
+        worst = max(worst, index.nbytes / n)
+    assert n > 190_000 and worst <= INDEX_BYTES, worst
+    assert (index.find(keys[:n], keys)[0] == np.arange(n)).all()
+    assert (index.find(keys[:n] + 1, keys)[0] == -1).all()
