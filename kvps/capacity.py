@@ -1,8 +1,9 @@
 """The memory limit of a replica's table rows, judged in apply from the log alone.
 
 A push is refused with ``CapacityExceeded`` when the rows (and admission counters) it would leave
-on the shard, in accounted bytes (``Table.nbytes``: a fixed number of bytes per row, the same on
-every replica), pass the server's ``memory_limit``. Dense keys do not count: a push never grows
+on the shard, in accounted bytes (``Table.nbytes``: per row its values, optimizer state and record,
+``kvps.record``, at the widths the push needs; the same on every replica), pass the server's
+``memory_limit``. Dense keys do not count: a push never grows
 them. The check runs on the planned updates, before anything is committed, so a refused push
 changes nothing.
 """

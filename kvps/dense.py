@@ -14,7 +14,7 @@ import numpy as np
 
 from kvps.command import CreateKey
 from kvps.errors import InvalidRequest, KvpsError, ShapeMismatch
-from kvps.optimizer import optimizer_from_dict
+from kvps.optimizer import fitted_state, optimizer_from_dict
 from kvps.placement import DenseLayout
 
 __all__ = ["Block", "DenseKey", "frozen"]
@@ -52,7 +52,7 @@ class Block:
     value: np.ndarray  # read-only, the block's shape and the key's dtype
     version: int  # updates applied (a merged push of k counts k, a set counts 1)
     step: int  # optimizer steps applied (one per applied entry)
-    state: dict[str, np.ndarray]  # optimizer state, read-only arrays shaped like value
+    state: dict[str, np.ndarray]  # optimizer state, read-only arrays of optimizer.state_shape(value.shape)
 
 
 class DenseKey:
@@ -119,9 +119,11 @@ class DenseKey:
             value, *state = arrays[at:at + 1 + len(names)]
             at += 1 + len(names)
             shape = cmd.layout.block_shape(b)
-            if len(state) != len(names) or any(a.shape != shape or a.dtype.name != cmd.dtype
-                                               for a in (value, *state)):
+            if len(state) != len(names) or value.shape != shape:
                 raise ValueError(f"block {b} of {cmd.key!r} has the wrong shape")
+            state = [fitted_state(entry.optimizer, a, shape) for a in state]  # ValueError if bad
+            if any(a.dtype.name != cmd.dtype for a in (value, *state)):
+                raise ValueError(f"block {b} of {cmd.key!r} has the wrong dtype")
             entry.blocks[int(b)] = Block(_keep(value), int(version), int(step),
                                          {n: _keep(a) for n, a in zip(names, state)})
         return entry, at

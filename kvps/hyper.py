@@ -8,8 +8,9 @@ An update stamped with an older step than the key's is ignored: with asynchronou
 schedule follows the most advanced one and never moves back when a slow worker catches up.
 
 Only fields that leave the optimizer's state arrays unchanged are schedulable: SGD's momentum may
-change but not between zero and non-zero (that adds or drops the momentum buffer), and Adagrad's
-``initial_accumulator_value`` is not schedulable (rows created later would start differently).
+change but not between zero and non-zero (that adds or drops the momentum buffer, and a table's
+step counts: ``Optimizer.uses_step``), and Adagrad's ``initial_accumulator_value`` is not
+schedulable (rows created later would start differently).
 Pure: no I/O, no clock.
 """
 from __future__ import annotations
@@ -76,7 +77,8 @@ def retuned(definition: dict[str, Any], overrides: dict[str, Any],
                              f"schedule: {can})", field=foreign[0])
     merged = {**overrides, **check_values(values)}
     optimizer = optimizer_from_dict({**definition, **merged})  # range checks, one message per field
-    if optimizer.state_names() != optimizer_from_dict(definition).state_names():
+    defined = optimizer_from_dict(definition)
+    if optimizer.state_names() != defined.state_names() or optimizer.uses_step() != defined.uses_step():
         raise InvalidRequest(f"{sorted(values)} would change the {name} state arrays (SGD momentum "
                              "cannot move between zero and non-zero during training)",
                              field=sorted(values)[0])

@@ -38,7 +38,7 @@ import numpy as np
 from kvps.errors import InvalidRequest
 
 __all__ = ["Adagrad", "Adam", "Add", "FTRL", "Optimizer", "RowWiseAdagrad", "SGD", "clipped",
-           "optimizer_from_dict", "optimizer_to_dict"]
+           "fitted_state", "optimizer_from_dict", "optimizer_to_dict"]
 
 State = dict[str, np.ndarray]
 Step = Union[int, np.ndarray]  # int, or (n,) int64 per-row step counts
@@ -106,8 +106,9 @@ def _first(step: Step, value: np.ndarray) -> Any:
 # ---- optimizers ---------------------------------------------------------------------------------
 
 def _rows2d(x: np.ndarray) -> np.ndarray:
-    """``x`` as (rows, cols): the first axis is the row (a 1-d block: one element per row)."""
-    return x.reshape(len(x), -1) if x.ndim else x.reshape(1, 1)
+    """``x`` as (rows, cols): the first axis is the row (a 1-d block: one element per row). The
+    columns are named, not ``-1``: a push whose rows were all left out by admission has none."""
+    return x.reshape(len(x), math.prod(x.shape[1:])) if x.ndim else x.reshape(1, 1)
 
 
 def _row_sumsq(x: np.ndarray) -> np.ndarray:
@@ -136,14 +137,25 @@ def _clip(grad: np.ndarray, clip_norm: float, per_row: bool) -> np.ndarray:
 
 
 class Optimizer:
-    """Base: ``name`` (ClassVar), ``state_names()``, ``init_state(value)``, ``step(...)``.
-    Subclasses write ``_update`` (and have a ``clip_norm`` field); ``step`` clips, then updates."""
+    """Base: ``name`` (ClassVar), ``state_names()``, ``state_shape(shape)``, ``init_state(value)``,
+    ``step(...)``. Subclasses write ``_update`` (and have a ``clip_norm`` field); ``step`` clips,
+    then updates."""
 
     name: ClassVar[str]
     clip_norm: float
 
     def state_names(self) -> tuple[str, ...]:
         return ()
+
+    def state_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of each state array for a value of ``shape``: the value's own, unless the
+        optimizer keeps one number per row (the first axis), when the other axes are 1."""
+        return shape
+
+    def uses_step(self) -> bool:
+        """Does ``step`` change what ``step()`` computes, for this optimizer and every schedule of
+        it (``kvps.hyper``)? A table keeps a step count per row only when it does."""
+        return True
 
     def init_state(self, value: np.ndarray) -> State:
         return {}
@@ -171,6 +183,9 @@ class Add(Optimizer):
 
     def __post_init__(self) -> None:
         self._check_clip()
+
+    def uses_step(self):
+        return False
 
     def _update(self, value, grad, state, step):
         return value + grad, {}
@@ -200,6 +215,9 @@ class SGD(Optimizer):
 
     def init_state(self, value):
         return {"momentum_buffer": np.zeros_like(value)} if self.momentum else {}
+
+    def uses_step(self):
+        return bool(self.momentum)  # the buffer starts as the first gradient; no schedule toggles it
 
     def _update(self, value, grad, state, step):
         g = grad
@@ -241,6 +259,9 @@ class Adagrad(Optimizer):
 
     def init_state(self, value):
         return {"sum": np.full_like(value, self.initial_accumulator_value)}
+
+    def uses_step(self):
+        return True  # lr_decay reads it, and a schedule may set lr_decay on a key created without
 
     def _update(self, value, grad, state, step):
         g = grad
@@ -315,8 +336,10 @@ def _lerp(start: np.ndarray, end: np.ndarray, weight: float) -> np.ndarray:
 class RowWiseAdagrad(Optimizer):
     """Row-wise Adagrad, as FBGEMM's / TorchRec's ``EXACT_ROWWISE_ADAGRAD``: one accumulator per
     row, grown by the mean over the row of the squared gradient; the row moves by
-    ``-lr * g / (sqrt(acc) + eps)``. (The accumulator is stored broadcast over the row, shaped like
-    the value, as every optimizer state here is: the row store decides its layout.)"""
+    ``-lr * g / (sqrt(acc) + eps)``. The accumulator is stored once per row, shaped
+    ``(rows, 1, ...)`` (``state_shape``), which is the optimizer's whole point next to Adagrad: a
+    table of dim 64 keeps 4 bytes of state per row, not 256. ``step`` also takes the per-element
+    arrays older snapshots held (every column the same): it reads their first column."""
 
     name: ClassVar[str] = "rowwise_adagrad"
     lr: float = 0.01
@@ -331,8 +354,14 @@ class RowWiseAdagrad(Optimizer):
     def state_names(self):
         return ("sum",)
 
+    def state_shape(self, shape):
+        return shape[:1] + (1,) * (len(shape) - 1)
+
     def init_state(self, value):
-        return {"sum": np.full_like(value, self.initial_accumulator)}
+        return {"sum": np.full(self.state_shape(value.shape), self.initial_accumulator, dtype=value.dtype)}
+
+    def uses_step(self):
+        return False
 
     def _update(self, value, grad, state, step):
         g2 = _rows2d(grad)  # (rows, cols)
@@ -343,8 +372,7 @@ class RowWiseAdagrad(Optimizer):
         acc = _rows2d(state["sum"])[:, 0] + mean  # (rows,) one accumulator per row
         mult = _coef(-self.lr, value) / (np.sqrt(acc) + _coef(self.eps, value))  # (rows,)
         new_value = value + mult.reshape(mult.shape + (1,) * (value.ndim - 1)) * grad
-        total = np.broadcast_to(acc.reshape(acc.shape + (1,) * (value.ndim - 1)), value.shape)
-        return new_value, {"sum": np.array(total, dtype=value.dtype)}
+        return new_value, {"sum": acc.astype(value.dtype, copy=False).reshape(self.state_shape(value.shape))}
 
 
 @dataclass(frozen=True)
@@ -374,6 +402,9 @@ class FTRL(Optimizer):
     def init_state(self, value):
         return {"z": np.zeros_like(value), "n": np.zeros_like(value)}
 
+    def uses_step(self):
+        return False
+
     def _update(self, value, grad, state, step):
         alpha = _coef(self.alpha, value)
         n_old = state["n"]
@@ -389,6 +420,23 @@ class FTRL(Optimizer):
 
 _BY_NAME: dict[str, type[Optimizer]] = {
     cls.name: cls for cls in (Add, SGD, Adagrad, Adam, RowWiseAdagrad, FTRL)}
+
+
+def fitted_state(opt: Optimizer, arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A state array of ``opt`` for a value of ``shape``, read from a snapshot, in the shape
+    ``opt`` keeps (``state_shape``). Row-wise accumulators written per element, broadcast over
+    the row (snapshots from before they were kept per row), become their first column once every
+    column is checked to hold the same bits; any other shape is a ``ValueError``."""
+    want = opt.state_shape(shape)
+    if arr.shape == want:
+        return arr
+    if arr.shape != shape or want != shape[:1] + (1,) * (len(shape) - 1):
+        raise ValueError(f"{opt.name} state of shape {arr.shape}, want {want}")
+    first = arr[(slice(None),) + (slice(0, 1),) * (len(shape) - 1)]  # (rows, 1, ...)
+    bits = np.dtype(f"u{arr.dtype.itemsize}")  # compared as bits: a NaN equals itself
+    if not (arr.view(bits) == first.view(bits)).all():
+        raise ValueError(f"{opt.name} state differs along a row")
+    return np.ascontiguousarray(first)
 
 
 def clipped(opt: Optimizer, clip_norm: float | None) -> Optimizer:

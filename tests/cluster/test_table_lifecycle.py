@@ -18,7 +18,9 @@ from kvps_chaos.elastic import replicas_agree
 pytestmark = pytest.mark.cluster
 
 DIM = 4
-ROW_BYTES = DIM * 4 * 2 + 48  # float32 values + Adagrad's accumulator, record and index entry
+# float32 values + Adagrad's accumulator; uint32 id, version and step count, the last-push time and
+# push count of a capped LFU table, the index entry (kvps.record)
+ROW_BYTES = DIM * 4 * 2 + 4 + 4 + 4 + 8 + 8 + 8
 LIMIT = 300 * ROW_BYTES  # per replica
 
 

@@ -15,6 +15,10 @@ from kvps.shard import ShardState
 
 ADD = {"name": "add"}
 ZEROS = {"name": "zeros"}
+# accounted bytes of a row of dim 2 float64 under Add (no state, no steps): 16 of values, a uint32
+# id and version, an 8-byte index entry; a capped table adds its float64 last-push time
+ROW = 16 + 4 + 4 + 8
+CAPPED_ROW = ROW + 8
 
 
 def _push(s: ShardState, seq: int, ids, now: float = 1.0, key: str = "e", dim: int = 2, client: str = "c"):
@@ -74,19 +78,19 @@ def test_least_is_the_lexicographic_order():
 
 
 def test_capacity_exceeded_changes_nothing_and_is_typed():
-    s = _table(None, memory_limit=10 * (16 + 48))  # 10 rows of dim 2 float64, Add (no state)
+    s = _table(None, memory_limit=10 * ROW)
     assert "versions" in _push(s, 1, range(10))
     before = s.state_hash()
     err = _push(s, 2, [5, 10, 11])  # two new rows: past the limit
     assert isinstance(err, CapacityExceeded) and isinstance(err, kc.RejectedError)
-    assert err.key == "e" and err.limit == 640 and err.needed == 12 * 64
+    assert err.key == "e" and err.limit == 10 * ROW and err.needed == 12 * ROW
     assert s.state_hash() == before and s.describe("e")["rows"] == 10
     assert "versions" in _push(s, 3, [0, 9])  # existing rows still train
     assert kc.CapacityExceeded is CapacityExceeded
 
 
 def test_capacity_exceeded_blames_the_growing_push_of_a_merged_entry():
-    s = _table(None, memory_limit=3 * 64)
+    s = _table(None, memory_limit=3 * ROW)
     s.apply(CreateTable("f", 2, "float64", ADD, ZEROS, "sum"))
     assert "versions" in _push(s, 1, [1, 2])
     cmd = Push(1.0, (PushId("a", 1, 1, ("e",)), PushId("b", 1, 1, ("f",))), (),
@@ -99,10 +103,10 @@ def test_capacity_exceeded_blames_the_growing_push_of_a_merged_entry():
 
 
 def test_a_capped_table_under_a_limit_never_refuses():
-    s = _table({"max_rows": 8, "shards": 2}, memory_limit=4 * 64)  # 4 rows per shard fit exactly
+    s = _table({"max_rows": 8, "shards": 2}, memory_limit=4 * CAPPED_ROW)  # 4 rows per shard fit exactly
     for q in range(1, 30):
         assert "versions" in _push(s, q, [3 * q, 3 * q + 1], now=float(q))
-    assert s.describe("e")["rows"] == 4 and s.describe("e")["bytes"] == 4 * 64
+    assert s.describe("e")["rows"] == 4 and s.describe("e")["bytes"] == 4 * CAPPED_ROW
 
 
 def test_snapshot_restore_keeps_counts_times_pending_and_floor():

@@ -15,8 +15,10 @@ from kvps.command import CreateKey, CreateTable
 from kvps.errors import InvalidRequest
 from kvps.initializer import Normal, initializer_to_dict
 from kvps.merge import PushRequest, merge
-from kvps.optimizer import FTRL, SGD, Add, RowWiseAdagrad, clipped, optimizer_from_dict, optimizer_to_dict
+from kvps.optimizer import (FTRL, SGD, Add, RowWiseAdagrad, clipped, fitted_state, optimizer_from_dict,
+                            optimizer_to_dict)
 from kvps.shard import ShardState
+from kvps.table import Table
 
 SEED = 20240611
 STEPS = 30
@@ -209,3 +211,68 @@ def test_dicts_round_trip_and_clip_left_out_when_off():
 def test_from_dict_rejects_junk(junk):
     with pytest.raises(InvalidRequest):
         optimizer_from_dict(junk)
+
+
+@pytest.mark.parametrize("opt", [RowWiseAdagrad(lr=0.1), SGD(lr=0.1, clip_norm=1.0), FTRL(), clipped(Add(), 2.0)])
+def test_a_push_whose_rows_are_all_left_out_by_admission_applies(opt):
+    """Count admission leaves every row of a first push out: the optimizer steps zero rows."""
+    shard = ShardState(0)
+    shard.apply(CreateTable("e", 4, "float32", optimizer_to_dict(opt), {"name": "zeros"}, "sum",
+                            {"admit": {"name": "count", "min_count": 2}})).result
+    ids, g = np.int64([3, 8]), np.ones((2, 4), np.float32)
+    for seq in (1, 2):
+        got = shard.apply(merge([PushRequest("c", seq, seq, rows=(("e", ids, g),))], {"e": "sum"},
+                                now=float(seq))).result["results"][("c", seq)]
+        assert "versions" in got, got
+    assert shard.describe("e")["rows"] == 2
+
+
+# ---- row-wise Adagrad keeps one accumulator per row ------------------------------------------
+
+@_seeded
+def test_rowwise_accumulator_is_one_number_per_row():
+    """Shaped (rows, 1) from the start and after every step (never broadcast back over the row),
+    in tables and dense blocks, and the bytes a table accounts for follow it."""
+    opt, rng = RowWiseAdagrad(lr=0.1, initial_accumulator=0.5), np.random.default_rng(SEED)
+    value = rng.standard_normal((6, 8)).astype(np.float32)
+    state = opt.init_state(value)
+    assert state["sum"].shape == (6, 1) and state["sum"].tolist() == [[0.5]] * 6
+    for t in range(1, 4):
+        value, state = opt.step(value, rng.standard_normal((6, 8)).astype(np.float32), state, t)
+        assert state["sum"].shape == (6, 1) and state["sum"].dtype == np.float32
+    assert opt.init_state(np.zeros(5, np.float32))["sum"].shape == (5,)  # a 1-d block: one element per row
+    assert opt.init_state(np.zeros((2, 3, 4), np.float32))["sum"].shape == (2, 1, 1)
+
+    dim = 64
+    shard = ShardState(0)
+    shard.apply(CreateTable("e", dim, "float32", optimizer_to_dict(opt), {"name": "zeros"}, "sum")).result
+    shard.apply(CreateKey("w", (4, dim), "float32", 2, optimizer_to_dict(opt), "sum",
+                          ((0, np.zeros((2, dim), np.float32)), (1, np.zeros((2, dim), np.float32))))).result
+    ids = np.arange(100, dtype=np.int64)
+    shard.apply(merge([PushRequest("c", 1, 1, (("w", 0, np.ones((2, dim), np.float32)),),
+                                   (("e", ids, np.ones((100, dim), np.float32)),))], {}, now=1.0)).result
+    table = shard._keys["e"]
+    assert table.state["sum"].shape[1:] == (1,) and table.state["sum"].nbytes == len(table.ids) * 4
+    plain = Table("p", dim, "float32", {"name": "add"}, {"name": "zeros"}, "sum")  # no state at all
+    assert table.row_bytes - plain.row_bytes == 4  # the accumulator: 4 bytes a row, not dim * 4
+    assert shard.describe("e")["bytes"] == 100 * table.row_bytes
+    assert shard._keys["w"].blocks[0].state["sum"].shape == (2, 1)
+
+
+@_seeded
+def test_rowwise_per_element_state_of_older_snapshots_steps_to_the_same_bits():
+    opt, rng = RowWiseAdagrad(lr=0.1), np.random.default_rng(SEED)
+    value, grad = rng.standard_normal((5, 4)).astype(np.float32), rng.standard_normal((5, 4)).astype(np.float32)
+    acc = np.abs(rng.standard_normal((5, 1))).astype(np.float32)
+    wide = np.repeat(acc, 4, axis=1)  # what snapshots held before: the accumulator on every column
+    compact = fitted_state(opt, wide, (5, 4))
+    assert compact.shape == (5, 1) and compact.tobytes() == acc.tobytes()
+    one, one_state = opt.step(value, grad, {"sum": acc}, 1)
+    two, two_state = opt.step(value, grad, {"sum": wide}, 1)
+    assert one.tobytes() == two.tobytes() and one_state["sum"].tobytes() == two_state["sum"].tobytes()
+    wide[2, 3] += 1
+    with pytest.raises(ValueError):
+        fitted_state(opt, wide, (5, 4))  # not a broadcast accumulator: refused, not guessed
+    with pytest.raises(ValueError):
+        fitted_state(opt, np.zeros((5, 3), np.float32), (5, 4))
+    assert fitted_state(FTRL(), wide, (5, 4)) is wide  # per-element state stays as it is

@@ -498,6 +498,27 @@ GOLDEN_SNAPSHOT_TIME = bytes.fromhex(
     "3130302e302c5b5b312c7b2276657273696f6e73223a7b2265223a312c2277223a317d7d5d5d5d5d"
 )
 
+# the same state with table layout 2 (kvps.table): an Add table keeps no step counts
+GOLDEN_SNAPSHOT_LAYOUT2 = bytes.fromhex(
+    "4b56504601040100c4010000060000008bbe58737b226465647570223a747275652c22666f726d6174223a312c226b65"
+    "7973223a5b7b2264696d223a322c226474797065223a22666c6f61743332222c22696e6974223a7b226d65616e223a30"
+    "2e302c226e616d65223a226e6f726d616c222c2273656564223a352c22737464223a312e307d2c226b6579223a226522"
+    "2c226b696e64223a227461626c65222c226c61796f7574223a322c226d65726765223a2273756d222c226f7074696d69"
+    "7a6572223a7b226e616d65223a22616464227d7d2c7b22626c6f636b5f726f7773223a322c22626c6f636b73223a5b5b"
+    "312c312c315d5d2c226474797065223a22666c6f61743332222c226b6579223a2277222c226b696e64223a2264656e73"
+    "65222c226d65726765223a2273756d222c226f7074696d697a6572223a7b2264616d70656e696e67223a302e302c226c"
+    "72223a302e352c226d6f6d656e74756d223a302e392c226e616d65223a22736764222c226e65737465726f76223a6661"
+    "6c73652c227765696768745f6465636179223a302e307d2c227368617065223a5b335d7d5d2c2273657373696f6e5f74"
+    "746c223a333630302e302c227368617264223a322c2274696d65223a3130302e307d20202020202006000100478ab68c"
+    "10000000000000001000000000000000020000000000000001000200b92a176110000000000000001000000000000000"
+    "0200000000000000020000000000000006000100a62858e1100000000000000010000000000000000200000000000000"
+    "010001003d19fc16040000000000000004000000000000000100000000000000010001009aa1ca660400000000000000"
+    "040000000000000001000000000000000700010032f5b22f300000000000000030000000000000003000000000000000"
+    "ffffffffffffffff09000000000000004c6a863f8c28a73f38e1903da677e23e01000000000000000100000000000000"
+    "00000000000000405b5b2263222c312c3130302e302c5b5b312c7b2276657273696f6e73223a7b2265223a312c227722"
+    "3a317d7d5d5d5d5d"
+)
+
 
 def _golden_state() -> ShardState:
     s = ShardState(2)
@@ -510,15 +531,16 @@ def _golden_state() -> ShardState:
 
 
 def test_golden_snapshot():
-    """Snapshots written before FLAG_XXH3 (CRC-32 sums) and before the cluster time restore to
-    the same state; what we write now is pinned byte for byte."""
-    assert _golden_state().snapshot() == GOLDEN_SNAPSHOT_TIME
-    restored = ShardState.restore(GOLDEN_SNAPSHOT_TIME)
-    assert restored.time == 100.0 and restored.snapshot() == GOLDEN_SNAPSHOT_TIME
+    """Snapshots written before FLAG_XXH3 (CRC-32 sums), before the cluster time and before table
+    layout 2 restore to the same state; what we write now is pinned byte for byte."""
+    assert _golden_state().snapshot() == GOLDEN_SNAPSHOT_LAYOUT2
+    for golden in (GOLDEN_SNAPSHOT_LAYOUT2, GOLDEN_SNAPSHOT_TIME):
+        restored = ShardState.restore(golden)
+        assert restored.time == 100.0 and restored.snapshot() == GOLDEN_SNAPSHOT_LAYOUT2
     for golden in (GOLDEN_SNAPSHOT, GOLDEN_SNAPSHOT_XXH3):
         s = ShardState.restore(golden)
         assert s.shard == 2 and s.read_blocks("w", [1])[0][0] == 1
         assert s.read_blocks("w", [1])[0][1].tolist() == [0.0]  # 1 - 0.5 * 2
         assert s.read_rows("e", np.int64([-1, 9]))[1].tolist() == [1, 1]
         assert s.lookup_push("c", 1) == {"versions": {"e": 1, "w": 1}}
-        assert s.state_hash() == "82e1fb81af0bd2bb50c81da15b2532e6f8d2981d92d447d3a21b94daa5cb017e"
+        assert s.state_hash() == "c058ceda9865cda22ea2e707dc968fdbc7fd99302c5bb92ca022719589ba2794"
