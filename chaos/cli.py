@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="a deliberately broken server (no duplicate table): the run must fail")
     p.add_argument("--fsync", choices=FSYNC_POLICIES, default=RaftConfig.fsync,
                    help="the cluster's Raft journal fsync policy (default: %(default)s)")
+    p.add_argument("--every-kind", action="store_true",
+                   help="run every fault kind once even if that takes longer than --duration")
     p.add_argument("--keep-data", action="store_true", help="keep journals even if the run passes")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -45,7 +47,7 @@ def main(argv: list[str]) -> int:
     opts = ChaosOptions(duration=args.duration, seed=seed, faults=faults, out=Path(args.out),
                         mode=args.mode, shards=args.shards, register_reads=args.register_reads,
                         unsafe_disable_dedup=args.unsafe_disable_dedup, fsync=args.fsync,
-                        keep_data=args.keep_data,
+                        keep_data=args.keep_data, every_kind=args.every_kind,
                         progress=not args.no_progress)
     try:
         report = run_chaos(opts)

@@ -46,6 +46,8 @@ class ChaosOptions:
     op_timeout: float = 15.0           # client deadline per operation; past it the outcome is unknown
     hold: tuple[float, float] = (2.0, 4.0)    # fault duration range (s)
     quiet: tuple[float, float] = (1.0, 3.0)   # pause between faults (s)
+    # run every fault kind once even if that takes longer than ``duration`` (the CI scenario)
+    every_kind: bool = False
     # Register reads: "linearizable" (checked strictly), or "leader" to measure the documented
     # window in which a partitioned leader that has not stepped down yet serves stale reads.
     register_reads: str = "linearizable"
@@ -59,8 +61,9 @@ class ChaosOptions:
         broken = " --unsafe-disable-dedup" if self.unsafe_disable_dedup else ""
         fsync = f" --fsync {self.fsync}" if self.fsync != RaftConfig.fsync else ""
         reads = f" --register-reads {self.register_reads}" if self.register_reads != "linearizable" else ""
+        every = " --every-kind" if self.every_kind else ""
         return (f"kvps chaos --seed {self.seed} --duration {self.duration:g} --shards {self.shards}"
-                f"{faults} --mode {self.mode}{reads}{fsync}{broken}")
+                f"{faults} --mode {self.mode}{reads}{fsync}{every}{broken}")
 
 
 @dataclass
@@ -186,7 +189,8 @@ async def _drive(state: RunState, cluster: ChaosCluster, wl: Workloads, progress
     deadline = state.workload_start + opts.duration
     workload = asyncio.create_task(wl.run())
     try:
-        await run_schedule(ctx, state.faults, deadline, opts.quiet, state.fault_records)
+        await run_schedule(ctx, state.faults, deadline, opts.quiet, state.fault_records,
+                           every_kind=opts.every_kind)
         await asyncio.sleep(max(0.0, deadline - time.monotonic()))  # the rest of the run, fault-free
     finally:
         wl.set_reply_loss(0.0)
