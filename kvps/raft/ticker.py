@@ -92,7 +92,7 @@ class Ticker:
         self._stopping = False
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._epoll.register(self._wake_r, select.EPOLLIN)
-        self.rounds = 0  # poll rounds (B0 counts wake-ups per second from it)
+        self.rounds = 0  # wake-ups of the thread
         self.ticks = 0  # group ticks
         self.stalls = {"max_seconds": 0.0, "over_100ms": 0}  # rounds that took long
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -206,6 +206,7 @@ class Ticker:
                 self._tick(everyone)
                 self._note_round(time.monotonic() - started)
                 self._poll(max(0.0, next_all - time.monotonic()))
+                self.rounds += 1
         finally:
             self._fail_calls()
             self._epoll.close()
@@ -214,9 +215,15 @@ class Ticker:
 
     def _tick(self, everyone: bool) -> None:
         due, self._due = self._due, set()
-        for group in list(self._groups):
+        for i, group in enumerate(list(self._groups)):
             if not everyone and id(group) not in due:
                 continue
+            if i:
+                # Read what arrived while the groups before it worked (a round that applies
+                # several large entries takes a while): a tick checks its election deadline
+                # before anything else, and a heartbeat left unread in the socket would let a
+                # busy round look like a silent leader.
+                self._poll(0.0)
             self.ticks += 1
             try:
                 internals.tick(group)
@@ -240,7 +247,6 @@ class Ticker:
             events = self._epoll.poll(timeout)
         except InterruptedError:
             return
-        self.rounds += 1
         for fd, ev in events:
             if fd == self._wake_r:
                 self._drain_wake()
