@@ -165,11 +165,12 @@ def _b0_md(r: dict) -> list[str]:
             (f"{c.get('nodes', 3)} nodes × {c.get('shards', 8)} shards × 3 replicas, started, leaders "
              "spread, settled, then nobody calls it: CPU of every kvps process (nodes and replica "
              "processes) over the window, in cores."), "",
-            "| replicas run | processes | idle cores | load |", "|---|---:|---:|---:|"]
+            "| replicas run | processes | idle cores | start → every shard served (s) | load |",
+            "|---|---:|---:|---:|---:|"]
     where = {0: "one process per replica (`procs = 0`)", 1: "in the node's process (`procs = 1`)"}
     for row in r["b0"].values():
         rows.append(f"| {where[row['procs']]} | {row.get('processes', '–')} | {_f(row['cores'], 3)} | "
-                    f"{_f(row.get('load_avg'), 1)} |")
+                    f"{_f(row.get('ready_s'), 1)} | {_f(row.get('load_avg'), 1)} |")
     return rows + [""]
 
 

@@ -59,7 +59,7 @@ def test_derive_names_ratios_and_targets():
     md = render_markdown(results)
     assert "| B3 kill → first commit max ≤ 1.5 s | 2.00 | **no** |" in md
     assert "**Physical limit** L = " in md
-    assert "| in the node's process (`procs = 1`) | 3 | 0.040 |" in md
+    assert "| in the node's process (`procs = 1`) | 3 | 0.040 | – |" in md
 
 
 def test_updates_lost_counts_the_pushes_missing_from_the_final_values():
@@ -107,6 +107,7 @@ def test_tiny_bench_runs_every_section(tmp_path, capsys):
     assert b6["kvps"]["rows_per_s"] > 0 and results["b6"]["workload"]["rows_per_step"] > 1
     b0 = results["b0"]
     assert b0["procs_0"]["cores"] > 0 and b0["procs_1"]["cores"] > 0
+    assert b0["procs_0"]["ready_s"] > 0 and b0["procs_1"]["ready_s"] > 0
     # every replica a process of its own (3 nodes + 3 x 2 replicas), or only the 3 nodes
     assert b0["procs_0"]["processes"] == 3 + 3 * 2 and b0["procs_1"]["processes"] == 3
     assert results["meta"]["kvps_cluster"]["procs"] == 0
