@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the cluster's Raft journal fsync policy (default: %(default)s)")
     p.add_argument("--every-kind", action="store_true",
                    help="run every fault kind once even if that takes longer than --duration")
+    p.add_argument("--procs", type=int, choices=(0, 1), default=0,
+                   help="where nodes run their replicas: 0, a process each; 1, in the node's process "
+                        "(faults that kill or wipe one replica then kill its whole node)")
     p.add_argument("--keep-data", action="store_true", help="keep journals even if the run passes")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -47,7 +50,7 @@ def main(argv: list[str]) -> int:
     opts = ChaosOptions(duration=args.duration, seed=seed, faults=faults, out=Path(args.out),
                         mode=args.mode, shards=args.shards, register_reads=args.register_reads,
                         unsafe_disable_dedup=args.unsafe_disable_dedup, fsync=args.fsync,
-                        keep_data=args.keep_data, every_kind=args.every_kind,
+                        keep_data=args.keep_data, every_kind=args.every_kind, procs=args.procs,
                         progress=not args.no_progress)
     try:
         report = run_chaos(opts)

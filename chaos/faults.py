@@ -68,12 +68,24 @@ class FaultContext:
         return [n.id for n in self.cluster.cfg.nodes if n.id != node]
 
 
+def _in_node_process(ctx: FaultContext, node: int, pid: int) -> bool:
+    """Whether the replica with ``pid`` lives in its node's process (``server.procs = 1``)."""
+    return pid == ctx.cluster.node_pid(node)
+
+
 async def _kill_leader(ctx: FaultContext, rec: FaultRecord) -> None:
     rec.shard = ctx.rng.randrange(ctx.cluster.cfg.shards)
     leader = await ctx.leader(rec.shard)
     rec.node, rec.detail["pid"] = leader["node"], leader["pid"]
     rec.injected()
-    ctx.cluster.kill_pid(leader["pid"], signal.SIGKILL)
+    if _in_node_process(ctx, rec.node, leader["pid"]):
+        # The replica's process is its node's: it dies with every replica of that node, and
+        # comes back when the node is started again (what a supervisor like systemd would do).
+        rec.detail["whole_node"] = True
+        await asyncio.to_thread(ctx.cluster.kill_node, rec.node, signal.SIGKILL)
+        ctx.cluster.start_node(rec.node)
+    else:
+        ctx.cluster.kill_pid(leader["pid"], signal.SIGKILL)
     # The node supervisor restarts it; healed once the replica runs again under a new pid.
     await asyncio.to_thread(wait_until, lambda: (ctx.cluster.replica(rec.shard, rec.node) or {}).get(
         "pid") not in (None, leader["pid"]), 60, "the killed replica to be restarted", 0.1)
@@ -209,13 +221,19 @@ async def _wipe_replica(ctx: FaultContext, rec: FaultRecord) -> None:
     except TimeoutError:
         raise RuntimeError(f"replica of shard {rec.shard} on node {rec.node} is not running") from None
     rec.injected()
-    os.kill(node_pid, signal.SIGSTOP)
-    try:
-        cluster.kill_pid(victim["pid"], signal.SIGKILL)
-        await asyncio.to_thread(wait_until, lambda: _dead(victim["pid"]), 10, "the replica to die", 0.02)
+    if victim["pid"] == node_pid:  # server.procs = 1: the replica's process is its node's
+        rec.detail["whole_node"] = True
+        await asyncio.to_thread(cluster.kill_node, rec.node, signal.SIGKILL)
         shutil.rmtree(cluster.replica_dir(rec.node, rec.shard), ignore_errors=True)
-    finally:
-        os.kill(node_pid, signal.SIGCONT)
+        cluster.start_node(rec.node)
+    else:
+        os.kill(node_pid, signal.SIGSTOP)
+        try:
+            cluster.kill_pid(victim["pid"], signal.SIGKILL)
+            await asyncio.to_thread(wait_until, lambda: _dead(victim["pid"]), 10, "the replica to die", 0.02)
+            shutil.rmtree(cluster.replica_dir(rec.node, rec.shard), ignore_errors=True)
+        finally:
+            os.kill(node_pid, signal.SIGCONT)
     target = (cluster.state_hashes(rec.shard).get(lead["node"]) or ("", 0))[1]
     rec.detail.update(pid=victim["pid"], leader_applied=target)
     started = time.monotonic()

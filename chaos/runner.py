@@ -48,6 +48,9 @@ class ChaosOptions:
     quiet: tuple[float, float] = (1.0, 3.0)   # pause between faults (s)
     # run every fault kind once even if that takes longer than ``duration`` (the CI scenario)
     every_kind: bool = False
+    # where the nodes run their replicas (ServerConfig.procs); with 1, a fault that kills or wipes
+    # one replica's process kills its node's process (and so every replica of that node)
+    procs: int = 0
     # Register reads: "linearizable" (checked strictly), or "leader" to measure the documented
     # window in which a partitioned leader that has not stepped down yet serves stale reads.
     register_reads: str = "linearizable"
@@ -62,6 +65,7 @@ class ChaosOptions:
         fsync = f" --fsync {self.fsync}" if self.fsync != RaftConfig.fsync else ""
         reads = f" --register-reads {self.register_reads}" if self.register_reads != "linearizable" else ""
         every = " --every-kind" if self.every_kind else ""
+        every += f" --procs {self.procs}" if self.procs else ""
         return (f"kvps chaos --seed {self.seed} --duration {self.duration:g} --shards {self.shards}"
                 f"{faults} --mode {self.mode}{reads}{fsync}{every}{broken}")
 
@@ -122,7 +126,7 @@ def run_chaos(opts: ChaosOptions) -> dict[str, Any]:
                                # lose-node: a lost node is declared dead after a few seconds, not
                                # minutes; longer than any other fault keeps a node away
                                server=ServerConfig(unsafe_disable_dedup=opts.unsafe_disable_dedup,
-                                                   node_dead_after=6.0))
+                                                   node_dead_after=6.0, procs=opts.procs))
         if topo is not None:
             with topo.entered():
                 report = asyncio.run(_run(state, cluster))
