@@ -124,7 +124,7 @@ def node_view(node: "Node") -> dict[str, Any]:
             "recovering_reason": st.get("recovering_reason"),
         })
     return {"node": node.node_id, "admin_url": node.cfg.node(node.node_id).admin_url,
-            "replicas": replicas, "ticker": node.ticker.status() if node.ticker is not None else None}
+            "replicas": replicas, "tickers": [t.status() for t in node.tickers]}
 
 async def cluster_view(node: "Node") -> dict[str, Any]:
     async def fetch(node_id: int) -> dict[str, Any] | None:

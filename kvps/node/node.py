@@ -114,10 +114,13 @@ class Node:
         self.assignment = self._load_assignment()
         # server.procs = 1: every replica in this process, their groups on one ticker (run()).
         self.resident = cfg.server.procs == 1
-        self.ticker = Ticker(name="raft-ticker") if self.resident else None  # the metadata group's too
+        # their Raft groups' threads (server.raft_threads); the metadata group ticks on the first
+        self.tickers = [Ticker(name=f"raft-ticker-{i}") for i in range(cfg.server.raft_threads)
+                        ] if self.resident else []
         self._secret: bytes | None = None
-        self.replicas: dict[int, ReplicaProcess | ResidentReplica] = {
-            s: self._new_replica(s) for s in self.assignment.shards_of(node_id)}
+        self.replicas: dict[int, ReplicaProcess | ResidentReplica] = {}
+        for s in self.assignment.shards_of(node_id):
+            self.replicas[s] = self._new_replica(s)
         # The metadata group (node list, assignment), followed; the rebalancer on its leader.
         self.membership = NodeMembership(self)
         self._stop_event: asyncio.Event | None = None
@@ -139,10 +142,22 @@ class Node:
             return ReplicaProcess(shard)
         rr = ResidentReplica(self.cfg, self.node_id, shard, data_dir=self.data_dir,
                              secret=self._cluster_secret(), tokens=self.tokens,
-                             ticker=self.ticker, server_ssl=self._server_ssl,
+                             ticker=self._least_loaded_ticker(), server_ssl=self._server_ssl,
                              client_ssl=self._client_ssl)
         rr.backoff = RESTART_BACKOFF[0]
         return rr
+
+    @property
+    def ticker(self) -> Ticker | None:
+        """The metadata group's ticker (None: replicas in processes of their own)."""
+        return self.tickers[0] if self.tickers else None
+
+    def _least_loaded_ticker(self) -> Ticker:
+        hosted = {id(t): 0 for t in self.tickers}
+        for rr in self.replicas.values():
+            if isinstance(rr, ResidentReplica):
+                hosted[id(rr.ticker)] += 1
+        return min(self.tickers, key=lambda t: hosted[id(t)])
 
     def _cluster_secret(self) -> bytes:
         if self._secret is None:
@@ -396,8 +411,8 @@ class Node:
             await asyncio.gather(*(rr.stop() for rr in self.replicas.values()
                                    if isinstance(rr, ResidentReplica)), return_exceptions=True)
             await asyncio.to_thread(self._stop_replicas)
-            if self.ticker is not None:
-                await asyncio.to_thread(self.ticker.stop)
+            for ticker in self.tickers:
+                await asyncio.to_thread(ticker.stop)
             await runner.cleanup()
             await self.http.close()
         if self.refusal is not None:

@@ -62,11 +62,11 @@ CLUSTER = {
 }
 NODE = {"type": "object", "required": ["node", "admin_url", "replicas"],
         "properties": {"node": _int, "admin_url": _str, "replicas": {"type": "array", "items": REPLICA_VIEW},
-                       # server.procs = 1: the Raft ticker of the node's process (kvps/raft/ticker.py)
-                       "ticker": {"type": ["object", "null"], "properties": {
+                       # server.procs = 1: the Raft tickers of the node's process (kvps/raft/ticker.py)
+                       "tickers": {"type": "array", "items": {"type": "object", "properties": {
                            "groups": _int, "rounds": _int, "ticks": _int,
                            "stalls": {"type": "object", "properties": {
-                               "max_seconds": {"type": "number"}, "over_100ms": _int}}}}}}
+                               "max_seconds": {"type": "number"}, "over_100ms": _int}}}}}}}
 SHARD_DETAIL = {
     "allOf": [SHARD_VIEW, {
         "type": "object",

@@ -192,7 +192,7 @@ class Ticker:
     # -- the thread -----------------------------------------------------------------------------
 
     def _run(self) -> None:
-        name_native_thread("raft-ticker")
+        name_native_thread(self._thread.name)
         next_all = 0.0
         try:
             while True:

@@ -77,6 +77,11 @@ class ResidentReplica:
     # -- what the node reads --------------------------------------------------------------------
 
     @property
+    def ticker(self) -> Ticker:
+        """The Raft ticker this replica's group runs on."""
+        return self._ticker
+
+    @property
     def alive(self) -> bool:
         return self.replica is not None and self._halted is None
 

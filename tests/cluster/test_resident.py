@@ -28,7 +28,7 @@ from kvps.service.auth import TokenStore
 pytestmark = pytest.mark.cluster
 
 KEY = "counter"
-RESIDENT = ServerConfig(procs=1)
+RESIDENT = ServerConfig(procs=1, raft_threads=2)
 
 
 def threads_of(pid: int) -> list[str]:
@@ -53,9 +53,9 @@ def test_every_replica_of_a_node_lives_in_its_process_on_one_raft_thread(cluster
     for node, proc in cluster.procs.items():
         assert children_of(proc.pid) == []  # no replica processes
         names = threads_of(proc.pid)
-        # one thread ticks the node's four shard groups and its metadata group: no tick
-        # thread per group (pysyncobj's own are named raft-tick)
-        assert names.count("raft-ticker") == 1, names
+        # two threads tick the node's four shard groups and its metadata group (raft_threads):
+        # no tick thread per group (pysyncobj's own are named raft-tick)
+        assert sorted(n for n in names if n.startswith("raft-ticker")) == ["raft-ticker-0", "raft-ticker-1"], names
         assert "raft-tick" not in names, names
 
     async def main():
