@@ -133,14 +133,17 @@ class ShardGroup(SyncObj):
                  on_role_change: Callable[[str], None] | None = None,
                  busy: Callable[[], bool] | None = None, bind_address: str | None = None,
                  ticker: Ticker | None = None,
-                 on_halted: Callable[[str], None] | None = None) -> None:
+                 on_halted: Callable[[str], None] | None = None, autostart: bool = True) -> None:
         """``busy()``: whether the replica is serving requests right now (compaction writers then
         run at half speed). ``bind_address``: where to listen when not ``self_address``.
         ``ticker``: the ``kvps.raft.ticker.Ticker`` that ticks this group together with the
         process's others (None: pysyncobj's own tick thread). With a ticker, an applier that
         raises ``GroupHalted`` stops this group where it is (the entry stays unapplied, its
         sockets and journal are closed) and ``on_halted(reason)`` is called on the ticker's
-        thread; without one the applier exits the process instead (``kvps.replica``)."""
+        thread; without one the applier exits the process instead (``kvps.replica``).
+        ``autostart=False`` (with a ticker): built, but not ticked until ``start()``, so nothing is
+        applied (the journal's committed entries replay on the first ticks) before the owner
+        has wired what its applier reads."""
         raft.validate()
         journal_dir = Path(journal_dir)
         journal_dir.mkdir(parents=True, exist_ok=True)
@@ -205,7 +208,9 @@ class ShardGroup(SyncObj):
                 self.addOnTickCallback(self._check_recovered)
             if ticker is not None:
                 transport.deferring_bind = False  # its first ticks bind the Raft port
-                ticker.add(self, poller, on_halted=self._halted)
+                self._poller = poller
+                if autostart:
+                    ticker.add(self, poller, on_halted=self._halted)
 
         if ticker is None:
             build()  # the tick thread starts inside
@@ -428,6 +433,13 @@ class ShardGroup(SyncObj):
             self.destroy_synchronous()
         self._compaction.join(timeout=60)
         self._fail_pending()
+
+    def start(self) -> None:
+        """Begin ticking a group built with ``autostart=False`` on its ticker."""
+        if self._ticker is None:
+            raise RuntimeError("only a group ticked by a ticker is started by hand")
+        self._ticker.call(lambda: None if self._destroyed else
+                          self._ticker.add(self, self._poller, on_halted=self._halted))
 
     def _fail_pending(self) -> None:
         with self._pending_lock:

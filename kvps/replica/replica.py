@@ -113,10 +113,11 @@ class Replica:
             snapshot_state=self._snapshot_state, restore_state=self._restore_state,
             on_role_change=self._on_role_change, busy=self._serving_recently,
             bind_address=cfg.node(node_id).raft_bind(cfg.node(node_id).port_base + 2 * shard),
-            ticker=ticker, on_halted=on_halted)
+            ticker=ticker, on_halted=on_halted, autostart=False)
         # pysyncobj's own tick thread stops when the thread that built the group exits: build it
-        # here. A ticker builds it on its thread (opening the journal, loading the snapshot): wait
-        # for that in a worker thread, so the loop keeps serving the node's other replicas.
+        # here. A ticker builds it on its thread (opening the journal): wait for that in a worker
+        # thread, so the loop keeps serving the node's other replicas; it ticks (and replays the
+        # journal's committed entries through _apply) only once start() is called below.
         self.group = build() if ticker is None else await asyncio.to_thread(build)
         if joining:
             raft_membership.hold_elections(self.group, JOIN_ELECTION_HOLD)
@@ -126,6 +127,8 @@ class Replica:
                                    on_batch=self.stats.count_batch)
         if self._early_role is not None:
             self.leadership.role_changed(self._early_role)
+        if ticker is not None:  # everything its applier and callbacks read is in place now
+            await asyncio.to_thread(self.group.start)
         return self
 
     async def stop(self) -> None:
