@@ -11,7 +11,7 @@ import random
 import sys
 from pathlib import Path
 
-from kvps.config import FSYNC_POLICIES, RaftConfig
+from kvps.config import FSYNC_POLICIES, RaftConfig, ServerConfig
 
 from kvps_chaos.faults import ALL_FAULTS
 from kvps_chaos.runner import ChaosOptions, run_chaos
@@ -35,9 +35,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the cluster's Raft journal fsync policy (default: %(default)s)")
     p.add_argument("--every-kind", action="store_true",
                    help="run every fault kind once even if that takes longer than --duration")
-    p.add_argument("--procs", type=int, choices=(0, 1), default=0,
-                   help="where nodes run their replicas: 0, a process each; 1, in the node's process "
-                        "(faults that kill or wipe one replica then kill its whole node)")
+    p.add_argument("--procs", type=int, choices=(0, 1), default=ServerConfig.procs,
+                   help="where nodes run their replicas: 1 (default), in the node's process (faults "
+                        "that kill or wipe one replica kill its whole node); 0, a process each")
     p.add_argument("--keep-data", action="store_true", help="keep journals even if the run passes")
     p.add_argument("--no-progress", action="store_true")
     return p

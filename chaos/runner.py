@@ -50,7 +50,7 @@ class ChaosOptions:
     every_kind: bool = False
     # where the nodes run their replicas (ServerConfig.procs); with 1, a fault that kills or wipes
     # one replica's process kills its node's process (and so every replica of that node)
-    procs: int = 0
+    procs: int = ServerConfig.procs
     # Register reads: "linearizable" (checked strictly), or "leader" to measure the documented
     # window in which a partitioned leader that has not stepped down yet serves stale reads.
     register_reads: str = "linearizable"
@@ -65,7 +65,7 @@ class ChaosOptions:
         fsync = f" --fsync {self.fsync}" if self.fsync != RaftConfig.fsync else ""
         reads = f" --register-reads {self.register_reads}" if self.register_reads != "linearizable" else ""
         every = " --every-kind" if self.every_kind else ""
-        every += f" --procs {self.procs}" if self.procs else ""
+        every += f" --procs {self.procs}" if self.procs != ServerConfig.procs else ""
         return (f"kvps chaos --seed {self.seed} --duration {self.duration:g} --shards {self.shards}"
                 f"{faults} --mode {self.mode}{reads}{fsync}{every}{broken}")
 

@@ -18,7 +18,6 @@ import json
 import math
 import multiprocessing as mp
 import queue
-import signal
 import statistics
 import time
 import urllib.request
@@ -156,17 +155,12 @@ async def _kills(cluster, probes: dict[int, str], kills: int, tick: Callable[[st
             if leader is None:
                 await asyncio.to_thread(_wait, lambda s=shard: serving_leader(cluster, s), 30, "a leader")
                 leader = serving_leader(cluster, shard)
-            node_proc = cluster.procs.get(leader["node"])
-            whole_node = node_proc is not None and node_proc.pid == leader["pid"]  # server.procs = 1
             killed = time.monotonic()
-            if whole_node:  # the replica lives in its node's process: the node dies with it
-                cluster.kill_node(leader["node"])
-            else:  # its node restarts it
-                cluster.kill_pid(leader["pid"], signal.SIGKILL)
+            # procs = 1: the replica's process is its node's (started again at once); procs = 0:
+            # its own, which the node restarts
+            cluster.kill_replica(leader)  # on this thread: a node started in a worker thread dies with it
             await ps.push({probes[shard]: one})
             acked = time.monotonic()
-            if whole_node:
-                cluster.start_node(leader["node"])
             records.append({"shard": shard, "node": leader["node"], "kill_t": killed,
                             "kill_to_commit_s": acked - killed})
             tick(f"B3 kill {k + 1}/{kills}: shard {shard} -> {1000 * (acked - killed):.0f} ms")

@@ -36,9 +36,9 @@ class Plan:
     # threads: 78 elections and 1.66 steps/s vs 0 and 2.43; with every 32 MiB the two tie, 2.68
     # vs 2.70 steps/s.) `kvps bench --fsync never` runs it for every section.
     kvps_fsync: str = "interval"
-    # Where the kvps nodes run their replicas (ServerConfig.procs: 0, a process per replica; 1,
-    # all in the node's process), and whether B1 also runs the other one beside it.
-    kvps_procs: int = 0
+    # Where the kvps nodes run their replicas (ServerConfig.procs: 1, the default, all in the
+    # node's process; 0, a process per replica), and whether B1 also runs the other one beside it.
+    kvps_procs: int = 1
     b1_procs_row: bool = True
     # B0: an idle cluster of the plan's size, for each process model: settle (leaders spread,
     # then this many s), then CPU counted over b0_seconds.

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import queue
-import signal
 import sys
 import tempfile
 import time
@@ -96,10 +95,10 @@ class Killer:
             self.plan.pop(0)
             self.current = Kill(shard, steps, leader["node"], leader["pid"], leader.get("term") or 0,
                                 time.time())
-            self.cluster.kill_pid(leader["pid"], signal.SIGKILL)
+            whole_node = self.cluster.kill_replica(leader)  # procs = 1: its node, started again
             run.kills.append(self.current)
-            self.say(f"  >>> step {steps}: kill -9 the leader of shard {shard} (node {leader['node']}, "
-                     f"pid {leader['pid']})")
+            what = f"node {leader['node']} (pid {leader['pid']}) with" if whole_node else "the process of"
+            self.say(f"  >>> step {steps}: kill -9 {what} the leader of shard {shard}")
 
     @property
     def finished(self) -> bool:

@@ -281,6 +281,22 @@ class LocalCluster:
             return None
         return meta["hash"], meta["applied_index"]
 
+    def kill_replica(self, replica: dict[str, Any]) -> bool:
+        """``kill -9`` of the process ``replica`` (a cluster-map entry) runs in. With
+        ``server.procs = 1`` that is its node's process, with every replica of the node: the node
+        is started again at once, as a service manager would (True). With ``procs = 0`` it is the
+        replica's own process, which its node restarts (False). Call it, as ``start_node``, from
+        a thread that outlives the node: a child gets SIGKILL when the thread that started it
+        ends (``PR_SET_PDEATHSIG``), so not from ``asyncio.to_thread``."""
+        node = replica["node"]
+        proc = self.procs.get(node)
+        if proc is not None and proc.pid == replica["pid"]:
+            self.kill_node(node, signal.SIGKILL)
+            self.start_node(node)
+            return True
+        self.kill_pid(replica["pid"], signal.SIGKILL)
+        return False
+
     def kill_pid(self, pid: int, sig: int = signal.SIGKILL) -> None:
         try:
             os.kill(pid, sig)

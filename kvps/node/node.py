@@ -1,9 +1,9 @@
 """A node: hosts the replicas of its shards and serves the admin HTTP API.
 
-``server.procs`` says where the replicas run: 0, one child process per replica (restarted when it
-exits; the node polls each one's ``/v1/status``); 1, in this process (``ResidentReplica``: one
-event loop, one Raft ticker; a replica that halts is restarted here alone and its status is read
-in-process). Either way restarts follow a capped back-off, and the node follows the metadata
+``server.procs`` says where the replicas run: 1 (the default), in this process
+(``ResidentReplica``: one event loop, ``server.raft_threads`` Raft tickers; a replica that halts
+is restarted here alone and its status is read in-process); 0, one child process per replica
+(restarted when it exits; the node polls each one's ``/v1/status``). Either way restarts follow a capped back-off, and the node follows the metadata
 group's assignment (starting and retiring replicas as it changes) and serves the admin app
 (``kvps.node.admin``).
 """

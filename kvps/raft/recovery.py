@@ -158,9 +158,9 @@ class Recovery:
             logger.error("raft: could not delete %s: %s", self._path, exc)
         self.active = False
         self.reason = None
-        logger.warning("raft: caught up with the leader of term %d (commit index %d): this replica "
-                       "votes again (%d vote requests withheld while recovering)",
-                       term, internals.commit_index(group), self.votes_withheld)
+        logger.warning("raft %s: caught up with the leader of term %d (commit index %d): this "
+                       "replica votes again (%d vote requests withheld while recovering)",
+                       group.selfNode.address, term, internals.commit_index(group), self.votes_withheld)
         return True
 
 

@@ -38,6 +38,8 @@ def test_chaos_ci_scenario_every_fault_kind_nothing_lost(tmp_path):
     assert set(report["faults_not_run"]) <= (set() if report["mode"] == "netns" else NETNS_ONLY)
     assert set(report["faults_requested"]) | set(report["faults_not_run"]) == set(ALL_FAULTS)
     assert report["counter"]["acked"] > 100 and report["linearizability"]["ops"] > 100
+    # the default process model: a replica's process is its node's (a leader kill kills the node)
+    assert all(f["detail"].get("whole_node") for f in report["faults"] if f["kind"] == "kill-leader")
     assert report["counter"]["lost"] == 0 and report["counter"]["applied_twice"] == 0
     assert report["linearizability"]["ok"] is True
     assert report["convergence"]["ok"] and report["training"]["ok"]
@@ -65,13 +67,11 @@ def test_chaos_membership_a_node_joins_and_leaves_and_one_is_lost_under_training
     """The membership fault (a node joins, replicas spread onto it, it is drained and removed) and
     the lose-node fault (a node joins, then is killed and wiped for good: declared dead, its
     replicas re-created on the others, removed) between leader kills, in loopback mode, while the
-    training and counter workloads run. The nodes run their replicas in their own processes
-    (``server.procs = 1``): replicas placed, moved away and re-created inside a running node, and
-    a leader kill that kills its whole node (the other chaos scenarios run a process per replica,
-    as do tests/cluster/test_elastic*.py)."""
+    training and counter workloads run. Here every replica is a process of its own
+    (``server.procs = 0``, the other process model; the CI scenario above runs the default)."""
     opts = ChaosOptions(duration=55, seed=SEED, out=tmp_path / "membership", shards=4, mode="loopback",
                         faults=("membership", "lose-node", "kill-leader"), hold=(1.5, 3.0), quiet=(0.5, 1.0),
-                        progress=False, procs=1, every_kind=True)
+                        progress=False, procs=0, every_kind=True)
     report = run_chaos(opts)
     print(f"chaos membership: seed {SEED}, faults {report['faults_by_kind']}")
     assert report["ok"], _explain(report)
@@ -80,6 +80,6 @@ def test_chaos_membership_a_node_joins_and_leaves_and_one_is_lost_under_training
     assert lost and all(f["error"] is None for f in lost), _explain(report)
     # declared dead no sooner than node_dead_after (6 s in chaos runs), re-created, removed
     assert all(f["detail"]["declared_dead_s"] >= 5.0 and f["detail"]["replaced_s"] > 0 for f in lost)
-    assert any(f["detail"].get("whole_node") for f in report["faults"] if f["kind"] == "kill-leader")
+    assert not any(f["detail"].get("whole_node") for f in report["faults"])  # replica processes
     assert report["counter"]["lost"] == 0 and report["counter"]["applied_twice"] == 0
     assert report["convergence"]["ok"] and report["linearizability"]["ok"] is True

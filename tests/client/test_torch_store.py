@@ -144,7 +144,7 @@ def test_gloo_process_groups_rendezvous_through_the_store(cluster):
 def _kill_leader_of(cluster, key: str) -> tuple[int, dict]:
     shard = block_shard(key, 0, SHARDS)
     leader = wait_for(lambda: cluster.leader(shard), 30, f"a leader of shard {shard}")
-    cluster.kill_pid(leader["pid"], signal.SIGKILL)
+    cluster.kill_replica(leader)  # its process: with procs = 1 its whole node, started again
     return shard, leader
 
 

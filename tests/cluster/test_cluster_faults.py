@@ -16,6 +16,7 @@ import kvps_client as kc
 from kvps.config import ServerConfig
 from kvps.delta import frame
 from kvps.node.local import wait_until
+from kvps.meta import meta_address
 from kvps.placement import block_shard
 from kvps.raft import recovery
 
@@ -69,7 +70,7 @@ def test_leader_kill_loses_nothing_and_resumes_fast(cluster_factory):
             await asyncio.to_thread(wait_until, lambda: len(acks) >= 30, 30, "30 acks")
             leader = cluster.leader(shard)
             killed_at = time.monotonic()
-            cluster.kill_pid(leader["pid"], signal.SIGKILL)
+            cluster.kill_replica(leader)  # procs 1: its whole node (on this thread: see its doc)
             await asyncio.to_thread(wait_until, lambda: any(t > killed_at for t in acks), 10,
                                     "an ack after the kill")
             resumed = min(t for t in acks if t > killed_at) - killed_at
@@ -99,13 +100,13 @@ def test_follower_restart_catches_up_from_journal(cluster_factory):
             leader = cluster.leader(shard)
             follower = next(r for r in cluster.cluster_map()["shards"][shard]["replicas"]
                             if r["node"] != leader["node"])
-            cluster.kill_pid(follower["pid"])
+            cluster.kill_replica(follower)
             for _ in range(20):
                 await ps.push({KEY: np.ones(1, np.float32)})
             return follower
 
     follower = asyncio.run(main())
-    # The node supervisor restarts it; it replays its journal and catches up with the leader.
+    # Started again (its node, or the node's supervisor): it replays its journal and catches up.
     wait_until(lambda: (cluster.replica(shard, follower["node"]) or {}).get("pid") not in
                (None, follower["pid"]), 30, "the follower to be restarted")
     wait_until(lambda: converged(cluster, shard), 30, "the restarted follower to catch up")
@@ -140,13 +141,18 @@ def test_a_replica_whose_data_is_lost_recovers_without_voting_then_votes_again(c
     shutil.rmtree(node_dir / "meta")  # its metadata replica's too (the first three nodes run one)
     assert asyncio.run(push(10)) == (30.0, 30)  # the other two commit meanwhile
     cluster.start_node(node)
-    replica_log, node_log = node_dir / "logs" / f"shard-{shard}.log", node_dir / "logs" / "node.log"
-    wait_until(lambda: replica_log.exists() and "votes again" in replica_log.read_text(), 60,
+    # its logs: logs/node.log, and logs/shard-N.log where replicas are processes of their own
+    replica = cluster.cfg.node(node).raft_address(shard)
+    meta = meta_address(cluster.cfg.node(node), cluster.cfg.shards)
+
+    def logs() -> str:
+        return "".join(p.read_text(errors="replace") for p in sorted((node_dir / "logs").glob("*.log")))
+    wait_until(lambda: f"raft {replica}: caught up" in logs(), 60,
                "the emptied replica to catch up and leave recovery")
-    assert "recovering lost state" in replica_log.read_text()
+    assert f"raft {replica}: recovering lost state" in logs()
     assert not (node_dir / f"shard-{shard}" / recovery.MARKER).exists()
-    wait_until(lambda: "votes again" in node_log.read_text(), 60, "the metadata replica to recover")
-    assert "metadata replica's data is gone" in node_log.read_text()
+    wait_until(lambda: f"raft {meta}: caught up" in logs(), 60, "the metadata replica to recover")
+    assert "metadata replica's data is gone" in logs()
     assert not (node_dir / "meta" / recovery.MARKER).exists()
     wait_until(lambda: (cluster.replica(shard, node) or {}).get("recovering") is False, 30,
                "its status to say it no longer recovers")
@@ -208,8 +214,7 @@ def test_push_whose_reply_is_lost_is_applied_once(cluster_factory, dedup):
     shard = block_shard(KEY, 0, cluster.cfg.shards)
 
     def kill_leader():
-        leader = cluster.leader(shard)
-        cluster.kill_pid(leader["pid"])
+        cluster.kill_replica(cluster.leader(shard))
 
     async def main():
         transport = LoseFirstPushReply(kc.HttpTransport(), kill_leader)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import signal
 import time
 
 import pytest
@@ -141,7 +140,7 @@ def test_clocks_survive_a_kill_of_their_shards_leader(cluster):
 
     assert asyncio.run(tick()) == {"a": 7, "b": 3}
     old = wait_until(lambda: cluster.leader(shard), 30, "a serving leader")
-    cluster.kill_pid(old["pid"], signal.SIGKILL)
+    cluster.kill_replica(old)
     # A newer term: right after the kill the node's view may pair the restarted pid with the old role.
     wait_until(lambda: (cluster.leader(shard) or {}).get("term", 0) > old["term"], 30, "a new leader")
     assert asyncio.run(read()) == {"a": 7, "b": 3}

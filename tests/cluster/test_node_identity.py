@@ -45,10 +45,13 @@ def test_a_wiped_node_is_refused_under_its_id_and_replace_loses_nothing(cluster_
     assert asyncio.run(push(10)) == 30.0  # the other two keep committing
 
     c.start_node(2, replace=True, zone="rack-b")  # the replacement sits elsewhere: it says so
-    replica_log = c.data_dir / "node-2" / "logs" / "shard-0.log"
-    wait_for(lambda: replica_log.exists() and "votes again" in replica_log.read_text(), 90,
+    replica = c.cfg.node(2).raft_address(0)
+
+    def logs() -> str:  # logs/node.log, and logs/shard-N.log where replicas are processes
+        return "".join(p.read_text(errors="replace") for p in sorted((c.data_dir / "node-2" / "logs").glob("*.log")))
+    wait_for(lambda: f"raft {replica}: caught up" in logs(), 90,
              "the replaced node's replica to catch up and leave recovery")
-    assert "recovering" in replica_log.read_text()
+    assert f"raft {replica}: recovering lost state" in logs()
     after = wait_for(lambda: (lambda i: i if i[2] not in (None, before[2]) else None)(incarnations(c)),
                      30, "the new incarnation to be recorded")
     assert after[0] == before[0] and after[1] == before[1]
