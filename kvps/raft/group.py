@@ -208,7 +208,7 @@ class ShardGroup(SyncObj):
                 self.addOnTickCallback(self._check_recovered)
             if ticker is not None:
                 transport.deferring_bind = False  # its first ticks bind the Raft port
-                self._poller = poller
+                self._group_poller = poller
                 if autostart:
                     ticker.add(self, poller, on_halted=self._halted)
 
@@ -439,7 +439,7 @@ class ShardGroup(SyncObj):
         if self._ticker is None:
             raise RuntimeError("only a group ticked by a ticker is started by hand")
         self._ticker.call(lambda: None if self._destroyed else
-                          self._ticker.add(self, self._poller, on_halted=self._halted))
+                          self._ticker.add(self, self._group_poller, on_halted=self._halted))
 
     def _fail_pending(self) -> None:
         with self._pending_lock:

@@ -4,6 +4,8 @@
 a replica whose directory was deleted is in test_cluster_faults.py.)"""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from kvps.raft import recovery
 
 
@@ -48,10 +50,12 @@ def test_a_recovering_group_withholds_vote_requests_only(tmp_path):
 
 
 class FakeGroup:
-    """The pysyncobj internals ``Recovery.check`` reads: term, commit index, the log."""
+    """What ``Recovery.check`` reads of a group: term, commit index, the log (pysyncobj
+    internals) and ``selfNode.address`` (public: its log line names the replica)."""
 
     def __init__(self, log: list[tuple[bytes, int, int]], term: int, commit: int) -> None:
         self.log, self._SyncObj__raftCurrentTerm, self._SyncObj__raftCommitIndex = log, term, commit
+        self.selfNode = SimpleNamespace(address="127.0.0.1:1")
 
     def _SyncObj__getEntries(self, index: int, count: int) -> list:
         return [e for e in self.log if e[1] == index][:count]
