@@ -69,6 +69,8 @@ from kvps.raft import compaction, internals
 from kvps.raft.failover import FastFailover
 from kvps.raft.journal import using_journal
 from kvps.raft.prevote import PreVote
+from kvps.raft.quiet import Quiet
+from kvps.raft.replication import is_append
 from kvps.raft.recovery import Recovery
 from kvps.raft.threads import background_priority, name_native_thread
 from kvps.raft.ticker import GroupHalted, Ticker
@@ -166,6 +168,7 @@ class ShardGroup(SyncObj):
         self._destroyed = False  # by the ticker (halted or stopped)
         self._compaction = compaction.Compaction(dump_path, raft, snapshot_state, restore_state, busy)
         self._last_tick: float | None = None
+        self._tick_wait = 0.0  # the wait between ticks this group last asked its ticker for
         self.tick_stalls = {"max_seconds": 0.0, "over_100ms": 0}  # tick thread gaps
         # An election waits for a majority of pre-votes (kvps.raft.prevote); fast failover's don't.
         self._prevote = PreVote(self, raft.election_timeout_min)
@@ -185,10 +188,17 @@ class ShardGroup(SyncObj):
             bindAddress=bind_address,
             autoTick=ticker is None,
         )
+        # An idle leader heartbeats every quiet_heartbeat_period (kvps.raft.quiet).
+        self._quiet = Quiet(self, conf, period=raft.quiet_period, after=raft.quiet_after,
+                            heartbeat_period=raft.heartbeat_period,
+                            fallback=raft.leader_fallback_timeout,
+                            longest=raft.connection_timeout / 2,
+                            election_timeout=self._SyncObj__generateRaftTimeout)
         transport = make_transport_class(
             secret=secret, context=context.encode(), max_frame_bytes=raft.max_frame_bytes,
             socket_buffer_bytes=raft.socket_buffer_bytes,
             on_peer_gone=self._failover.on_peer_gone if raft.fast_failover else None,
+            on_send=self._quiet.mark if raft.quiet_period else None,
             defer_bind=ticker is not None)
         self._transport_stats = transport.stats
         others = [p for p in peers if p != self_address]
@@ -204,6 +214,8 @@ class ShardGroup(SyncObj):
                     internals.using_poller(poller) if poller is not None else contextlib.nullcontext():
                 SyncObj.__init__(self, self_address, others, conf, transportClass=transport)
             self.addOnTickCallback(self._note_tick_thread)
+            if raft.quiet_period:
+                self.addOnTickCallback(self._quiet.after_tick)
             if self._recovery.active:
                 self.addOnTickCallback(self._check_recovered)
             if ticker is not None:
@@ -239,6 +251,8 @@ class ShardGroup(SyncObj):
             return
         if not compaction.is_last_install_chunk(message):
             internals.stock_on_message_received(self, node, message)
+            if self._quiet.period and is_append(message):
+                self._prevote.quiet_window = self._quiet.on_append(node, message)
             return
         # pysyncobj renames the received snapshot over ours on this thread now; freeing ours
         # must not happen here (kvps.raft.compaction). It then sets our members to the
@@ -255,7 +269,13 @@ class ShardGroup(SyncObj):
 
     def _onTick(self, timeToWait: float = 0.0) -> None:  # noqa: N802,N803 (pysyncobj's names)
         self._prevote.before_tick()  # may hold back the election pysyncobj is about to start
+        self._quiet.before_tick()  # a still leader heartbeats less often (kvps.raft.quiet)
         super()._onTick(timeToWait)
+
+    def next_tick(self, period: float) -> float:
+        """The ticker's hint: seconds until this group needs a tick with no event."""
+        self._tick_wait = period if self._recovery.active else self._quiet.next_tick(period)
+        return self._tick_wait
 
     def _recover_from_damage(self, reason: str) -> None:
         """The journal found damage while ``SyncObj.__init__`` opened it: recover from here on. That
@@ -403,6 +423,9 @@ class ShardGroup(SyncObj):
             "recovering_reason": self._recovery.reason,
             "votes_withheld": self._recovery.votes_withheld,
             "pre_votes": dict(self._prevote.counters),  # asked, won, avoided, granted, refused
+            # leading a still group that heartbeats every quiet period; times it became quiet /
+            # busy again; quiet heartbeats honoured as a follower
+            "quiet": {"now": self._quiet.quiet, **self._quiet.counters},
             # caught up once with a leader's commit index, and a leader is known now
             "ready": bool(self.isReady()) and leader is not None,
         }
@@ -474,7 +497,8 @@ class ShardGroup(SyncObj):
         elif self._last_tick is not None:
             # How long the tick thread went without ticking: a gap near the election timeout
             # means heartbeats stopped (disk waits, GIL, CPU starvation); /v1/status shows it.
-            gap = now - self._last_tick
+            # A quiet group asks to be ticked less often (next_tick): only the excess counts.
+            gap = now - self._last_tick - self._tick_wait
             stalls = self.tick_stalls
             if gap > stalls["max_seconds"]:
                 stalls["max_seconds"] = round(gap, 3)

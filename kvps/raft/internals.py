@@ -26,6 +26,10 @@ pysyncobj name                     used by                            accessor h
 ``SyncObj.__raftElectionDeadline`` failover, membership, group,       ``election_deadline``,
                                    prevote                            ``set_election_deadline``
 ``SyncObj.__raftLeader``           prevote: forgotten when it asks    ``forget_leader``
+``SyncObj.__newAppendEntriesTime`` quiet: a still leader's next beat  ``next_heartbeat``,
+                                                                      ``set_next_heartbeat``
+``SyncObj.__raftMatchIndex``       quiet: every member caught up      ``match_indexes``
+``SyncObj.__getCurrentLogIndex``   quiet: the last entry's index      ``last_log_index``
 ``SyncObj.__transferInProgress``   prevote: timeout_now bypasses it   ``transfer_in_progress``
 ``SyncObj.__transport``            prevote: its own messages          ``send``
 ``SyncObj.__getEntries``           recovery                           ``entries``
@@ -94,9 +98,12 @@ __all__ = [
     "is_leader",
     "is_member",
     "journal_factory",
+    "last_log_index",
     "leader",
     "log_size",
     "mark_unbound",
+    "match_indexes",
+    "next_heartbeat",
     "node_at",
     "node_of",
     "outgoing_connected",
@@ -106,6 +113,7 @@ __all__ = [
     "self_node",
     "send",
     "set_election_deadline",
+    "set_next_heartbeat",
     "set_server",
     "stock_do_apply_command",
     "stock_generate_raft_timeout",
@@ -121,12 +129,13 @@ __all__ = [
 ]
 
 # The names, as they appear on instances (mangled ones with their class prefix).
-SYNCOBJ_ATTRIBUTES = ("_SyncObj__raftCommitIndex", "_SyncObj__raftCurrentTerm",
-                      "_SyncObj__raftElectionDeadline", "_SyncObj__raftLeader", "_SyncObj__raftLog",
+SYNCOBJ_ATTRIBUTES = ("_SyncObj__newAppendEntriesTime", "_SyncObj__raftCommitIndex",
+                      "_SyncObj__raftCurrentTerm", "_SyncObj__raftElectionDeadline",
+                      "_SyncObj__raftLeader", "_SyncObj__raftLog", "_SyncObj__raftMatchIndex",
                       "_SyncObj__serializer", "_SyncObj__transferInProgress", "_SyncObj__transport",
                       "_poller")
-SYNCOBJ_METHODS = ("_SyncObj__getEntries", "_applyCommand", "_doDestroy", "_getLeader",
-                   "_getRaftLogSize", "_getTerm", "_isLeader")
+SYNCOBJ_METHODS = ("_SyncObj__getCurrentLogIndex", "_SyncObj__getEntries", "_applyCommand",
+                   "_doDestroy", "_getLeader", "_getRaftLogSize", "_getTerm", "_isLeader")
 SYNCOBJ_OVERRIDES = ("_SyncObj__doApplyCommand", "_SyncObj__generateRaftTimeout",
                      "_SyncObj__onMessageReceived", "_onTick")  # defined on ShardGroup
 TRANSPORT_ATTRIBUTES = ("_connections", "_nodeAddrToNode", "_nodes", "_ready", "_selfNode",
@@ -189,6 +198,26 @@ def election_deadline(group: SyncObj) -> float:
 def set_election_deadline(group: SyncObj, deadline: float) -> None:
     """Tick thread only."""
     group._SyncObj__raftElectionDeadline = deadline
+
+
+def last_log_index(group: SyncObj) -> int:
+    """The index of the last entry in the log (committed or not)."""
+    return group._SyncObj__getCurrentLogIndex()
+
+
+def match_indexes(group: SyncObj) -> dict[Any, int]:
+    """On a leader: member node -> the highest index it has acknowledged (a copy)."""
+    return dict(group._SyncObj__raftMatchIndex)
+
+
+def next_heartbeat(group: SyncObj) -> float:
+    """On a leader: the monotonic time after which its next tick sends appends to everyone."""
+    return group._SyncObj__newAppendEntriesTime
+
+
+def set_next_heartbeat(group: SyncObj, when: float) -> None:
+    """Tick thread only."""
+    group._SyncObj__newAppendEntriesTime = when
 
 
 def forget_leader(group: SyncObj) -> None:

@@ -10,6 +10,7 @@ import dataclasses
 import socket
 import sys
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["PeerSettings", "TransportStats", "set_buffers", "set_keepalive"]
 
@@ -42,6 +43,7 @@ class PeerSettings:
     socket_buffer_bytes: int  # 0: leave SO_SNDBUF/SO_RCVBUF (and Linux's autotuning) alone
     stats: TransportStats
     on_peer_gone: Callable[[str], None] | None = None
+    on_send: Callable[[Any], None] | None = None  # sees (and may mark) every message sent
 
 
 def set_buffers(sock: socket.socket, size: int) -> None:

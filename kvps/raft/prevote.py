@@ -95,6 +95,9 @@ class PreVote:
         self._grants: set[str] = set()  # addresses that granted the current round, ours included
         self._release: float | None = None  # the deadline pysyncobj may start an election at
         self._leader_heard = float("-inf")  # monotonic time of the last append from a leader
+        # A quiet heartbeat (kvps.raft.quiet) promises the next one a quiet period later: the
+        # leader counts as heard for that much longer. Set by ShardGroup after each message.
+        self.quiet_window = 0.0
         # How the election last let through started: "election" (a pre-vote majority, or a
         # group of one), "transfer" (the leader's timeout_now) or "fast-failover" (the leader's
         # process is gone). ShardGroup reads it when this replica becomes leader ("won_by").
@@ -202,7 +205,8 @@ class PreVote:
         if internals.is_leader(group):
             return True
         now = monotonic() if now is None else now
-        return internals.leader(group) is not None and now - self._leader_heard < self._min_timeout
+        return (internals.leader(group) is not None
+                and now - self._leader_heard < self._min_timeout + self.quiet_window)
 
     def would_grant(self, last_log_index: int, last_log_term: int) -> tuple[bool, str]:
         """This replica's answer to a pre-vote with that last entry, and why."""

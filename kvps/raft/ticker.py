@@ -11,7 +11,10 @@ Each group gets a ``GroupPoller``: its sockets go onto the ticker's one ``epoll`
 ``poll()`` (called at the end of every pysyncobj tick) does nothing, because the ticker polls once
 for everyone. An event on a group's socket marks that group due, so a round ticks the groups that
 received something plus, every ``period``, all of them (heartbeats, election deadlines): an idle
-process wakes ``1 / period`` times a second in total, not per group.
+process wakes ``1 / period`` times a second in total, not per group. A group may say when it next
+needs a tick with no event (``group.next_tick(period)``: seconds from now, at least ``period``); a
+quiet one (``kvps.raft.quiet``) asks for fewer, and the thread sleeps until the earliest one due
+(groups due within half a period of each other are ticked in the same round).
 
 Everything pysyncobj does still happens on one thread per group, as it did with ``autoTick``:
 the ticker's. Groups are built and destroyed on that thread too (``call``), so no socket or
@@ -87,6 +90,7 @@ class Ticker:
         self._groups: list[Any] = []
         self._halted: dict[int, Callable[[str], None]] = {}  # id(group) -> on_halted
         self._due: set[int] = set()  # id(group) of groups with events since their last tick
+        self._next: dict[int, float] = {}  # id(group) -> when it needs a tick with no event
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._lock = threading.Lock()
         self._stopping = False
@@ -146,6 +150,7 @@ class Ticker:
         self._groups = [g for g in self._groups if g is not group]
         self._halted.pop(id(group), None)
         self._due.discard(id(group))
+        self._next.pop(id(group), None)
 
     @property
     def groups(self) -> int:
@@ -193,19 +198,16 @@ class Ticker:
 
     def _run(self) -> None:
         name_native_thread(self._thread.name)
-        next_all = 0.0
         try:
             while True:
                 self._run_calls()
                 if self._stopping:
                     break
                 started = time.monotonic()
-                everyone = started >= next_all
-                if everyone:
-                    next_all = started + self.period
-                self._tick(everyone)
+                self._tick(started)
                 self._note_round(time.monotonic() - started)
-                self._poll(max(0.0, next_all - time.monotonic()))
+                wake = min(self._next.values(), default=started + self.period)
+                self._poll(max(0.0, wake - time.monotonic()))
                 self.rounds += 1
         finally:
             self._fail_calls()
@@ -213,10 +215,12 @@ class Ticker:
             os.close(self._wake_r)
             os.close(self._wake_w)
 
-    def _tick(self, everyone: bool) -> None:
+    def _tick(self, now: float) -> None:
+        """Tick the groups with events, and those whose time is due within half a period."""
         due, self._due = self._due, set()
+        soon = now + self.period / 2
         for i, group in enumerate(list(self._groups)):
-            if not everyone and id(group) not in due:
+            if id(group) not in due and self._next.get(id(group), 0.0) > soon:
                 continue
             if i:
                 # Read what arrived while the groups before it worked (a round that applies
@@ -225,8 +229,12 @@ class Ticker:
                 # busy round look like a silent leader.
                 self._poll(0.0)
             self.ticks += 1
+            self._next[id(group)] = time.monotonic() + self.period  # also if what follows raises
             try:
                 internals.tick(group)
+                hint = getattr(group, "next_tick", None)
+                if hint is not None:
+                    self._next[id(group)] = time.monotonic() + max(self.period, hint(self.period))
             except GroupHalted as exc:
                 self._halt(group, exc.reason)
             except Exception:  # as pysyncobj's own tick thread: log it and go on

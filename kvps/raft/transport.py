@@ -48,12 +48,15 @@ _SWEEP_PERIOD = 0.1  # seconds between timeout / keepalive sweeps
 def make_transport_class(*, secret: bytes, context: bytes, max_frame_bytes: int,
                          socket_buffer_bytes: int = 0,
                          on_peer_gone: Callable[[str], None] | None = None,
+                         on_send: Callable[[Any], None] | None = None,
                          defer_bind: bool = False) -> type[TCPTransport]:
     """A ``TCPTransport`` subclass for ``SyncObj(transportClass=...)`` bound to these settings.
 
     ``socket_buffer_bytes == 0`` leaves SO_SNDBUF/SO_RCVBUF alone (setting them turns off Linux's
     buffer autotuning). ``on_peer_gone(address)`` is called on the tick thread when a member closed
     its connection and its Raft port then refused a probe (``kvps.raft.probe``).
+    ``on_send(message)`` sees every message the group sends, before it is encoded (the quiet
+    heartbeats' mark, ``kvps.raft.quiet``).
     ``defer_bind``: report ready while the group is being built, and bind on its ticks (a group
     built on ``kvps.raft.ticker``'s thread; the class's ``deferring_bind`` is cleared once it is).
     """
@@ -68,7 +71,8 @@ def make_transport_class(*, secret: bytes, context: bytes, max_frame_bytes: int,
     if socket_buffer_bytes < 0:
         raise ValueError("socket_buffer_bytes must be >= 0")
     stats = TransportStats()
-    settings = PeerSettings(secret, context, max_frame_bytes, socket_buffer_bytes, stats, on_peer_gone)
+    settings = PeerSettings(secret, context, max_frame_bytes, socket_buffer_bytes, stats, on_peer_gone,
+                            on_send)
     return type("AuthTransport", (AuthTransport,), {"_settings": settings, "stats": stats,
                                                     "deferring_bind": defer_bind})
 
@@ -166,6 +170,8 @@ class AuthTransport(TCPTransport):
     # -- replication patches (kvps.raft.replication) --------------------------------------------
 
     def send(self, node: Any, message: Any) -> bool:
+        if self._settings.on_send is not None:
+            self._settings.on_send(message)
         if self._appends.must_defer(node, message, functools.partial(self._queuedBytes, node)):
             self._settings.stats.appends_deferred += 1
             return False

@@ -397,6 +397,7 @@ class Replica:
             "recovering": st["recovering"], "recovering_reason": st["recovering_reason"],
             "votes_withheld": st["votes_withheld"],
             "pre_votes": st.get("pre_votes"),  # asked, won, avoided, granted (kvps.raft.prevote)
+            "quiet": st.get("quiet"),  # a still group's slower heartbeats (kvps.raft.quiet)
             "in_flight_bytes": self.batcher.accepted_bytes,
             **self.stats.view(),
             "peers": self.stats.peer_lag(self.group) if st["role"] == "leader" else {},

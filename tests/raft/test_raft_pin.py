@@ -349,6 +349,13 @@ def test_prevote_accessors(syncobj):
     assert internals.leader(syncobj) is None
 
 
+def test_quiet_heartbeat_accessors(syncobj):
+    assert internals.last_log_index(syncobj) == syncobj._SyncObj__raftLog[-1][1]
+    assert internals.match_indexes(syncobj) == {}  # a follower: none
+    internals.set_next_heartbeat(syncobj, 12.5)
+    assert internals.next_heartbeat(syncobj) == 12.5
+
+
 def test_what_the_install_rename_guard_relies_on():
     """ShardGroup links the snapshot an install replaces before pysyncobj renames over it on the
     tick thread: it recognises the last chunk by ``serialized`` = (data, is_first, is_last)."""
@@ -428,7 +435,9 @@ def test_syncobj_attribute_still_exists(name):
     init = src(SyncObj.__init__)
     assert f"self.{name.replace('_SyncObj', '')} = " in init, name
     # every accessor is read after __init__, and the transport's poller before the transport
-    assert init.index(f"self.{name.replace('_SyncObj', '')} = ") < init.index("self.__transport = transportClass")
+    # (the next heartbeat time is set after it: only a ticking leader's is read, kvps.raft.quiet)
+    if name != "_SyncObj__newAppendEntriesTime":
+        assert init.index(f"self.{name.replace('_SyncObj', '')} = ") < init.index("self.__transport = transportClass")
 
 
 @pytest.mark.parametrize("name", internals.SYNCOBJ_METHODS + internals.TRANSPORT_METHODS)
@@ -660,3 +669,25 @@ def test_the_ticker_accessors_drive_a_syncobj_without_auto_tick():
     with pytest.raises(RuntimeError, match="createPoller"):
         with internals.using_poller(poller):
             pass
+
+
+def test_what_quiet_heartbeats_rely_on():
+    """kvps.raft.quiet: a leader sends appends to everyone once __newAppendEntriesTime has passed
+    and sets it a period after each send; heartbeats are appends with an empty ``entries`` list
+    and a prevLogIdx; the fallback check reads conf.leaderFallbackTimeout on every tick; the match
+    indexes are a dict by node; our onTick callbacks run after the sends of the same tick; a
+    follower resets its deadline from an append before the callback of the next tick sees it."""
+    tick = src(SyncObj._onTick)
+    assert "if monotonicTime() > self.__newAppendEntriesTime or needSendAppendEntries:" in tick
+    assert "deadline = monotonicTime() - self.__conf.leaderFallbackTimeout" in tick
+    assert tick.index("self.__sendAppendEntries()") < tick.index("for callback in self.__onTickCallbacks:")
+    send = src(SyncObj._SyncObj__sendAppendEntries)
+    assert send.strip().startswith("def __sendAppendEntries(self): "
+                           "self.__newAppendEntriesTime = monotonicTime() + self.__conf.appendEntriesPeriod")
+    assert "'entries': entries, 'prevLogIdx': prevLogIdx," in send
+    assert "entries = [] if nextNodeIndex <= self.__getCurrentLogIndex():" in send
+    init = src(SyncObj.__init__)
+    assert "self.__raftMatchIndex = {}" in init
+    assert "self.__newAppendEntriesTime = 0" in init
+    assert "self.__raftElectionDeadline = monotonicTime() + self.__generateRaftTimeout()" in src(
+        SyncObj._SyncObj__onMessageReceived)

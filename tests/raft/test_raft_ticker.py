@@ -53,8 +53,9 @@ class Applied:
 class Nodes:
     """``n`` tickers (nodes) × ``shards`` groups, each shard's replicas on different tickers."""
 
-    def __init__(self, root: Path, n: int = 3, shards: int = 2) -> None:
+    def __init__(self, root: Path, n: int = 3, shards: int = 2, raft: RaftConfig = FAST) -> None:
         self.root = root
+        self.raft = raft
         ports = free_ports(n * shards)
         self.addresses = {s: [f"127.0.0.1:{ports[s * n + i]}" for i in range(n)] for s in range(shards)}
         self.tickers = [Ticker(period=0.05, name=f"ticker-{i}") for i in range(n)]
@@ -66,7 +67,7 @@ class Nodes:
         machine = machine or Applied()
         self.machines[(node, shard)] = machine
         group = ShardGroup(
-            self_address=self.addresses[shard][node], peers=self.addresses[shard], raft=FAST,
+            self_address=self.addresses[shard][node], peers=self.addresses[shard], raft=self.raft,
             secret=SECRET, context=f"test/shard={shard}",
             journal_dir=self.root / f"n{node}" / f"s{shard}", applier=machine.apply,
             snapshot_state=machine.snapshot, restore_state=machine.restore,
@@ -195,3 +196,36 @@ def test_a_group_whose_port_is_taken_binds_later_without_stalling_its_siblings(n
     nodes.propose(0, b"after")
     wait_for(lambda: nodes.machines[(0, 0)].entries == [b"after"], 20,
              "the late-bound replica to join its group")
+
+
+class _Counted:
+    """A stand-in group that counts its ticks (no hint: ticked every period)."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+
+    def _onTick(self, timeToWait: float = 0.0) -> None:  # noqa: N802,N803 (pysyncobj's names)
+        self.ticks += 1
+
+
+class _Hinted(_Counted):
+    """... that asks for its next tick half a second later."""
+
+    def next_tick(self, period: float) -> float:
+        return 0.5
+
+
+def test_a_group_that_asks_for_fewer_ticks_gets_fewer_and_the_thread_sleeps_meanwhile():
+    ticker = Ticker(period=0.05, name="ticker-hints")
+    slow, busy = _Hinted(), _Counted()
+    try:
+        ticker.call(lambda: (ticker.add(slow, ticker.poller()), ticker.add(busy, ticker.poller())))
+        wait_for(lambda: busy.ticks >= 40, 20, "forty ticks of the group without a hint")
+        # 40 ticks of the busy group take >= 1.95 s; the slow one, every 0.5 s, got at most 6
+        assert 2 <= slow.ticks <= 6, (slow.ticks, busy.ticks)
+        ticks, rounds = ticker.call(lambda: (ticker.remove(busy), (slow.ticks, ticker.rounds))[1])
+        wait_for(lambda: slow.ticks >= ticks + 4, 20, "four more ticks of the slow group")
+        # alone, it wakes the thread about once per tick (every period would be ~40 rounds)
+        assert ticker.rounds - rounds <= 10, (ticker.rounds - rounds, slow.ticks - ticks)
+    finally:
+        ticker.stop()
