@@ -31,14 +31,17 @@ log = logging.getLogger("kvps.liveness")
 
 class NodeWatch:
     def __init__(self, meta: Any, http: Any, node: Callable[[int], Any], self_id: int, *,
-                 dead_after: float, replicas: int, period: float = 1.0) -> None:
+                 dead_after: float, replicas: int, period: float = 5.0) -> None:
         self.meta = meta
         self.http = http
         self.node = node  # node id -> NodeConfig
         self.self_id = self_id
         self.dead_after = dead_after
         self.replicas = replicas
-        self.period = min(period, dead_after / 4)
+        # a tenth of the verdict's time at most (a node is declared dead between dead_after and a
+        # period less after its last answer); 5 s for the default 10 minutes (each probe is an
+        # HTTP request per node: every second they were a tenth of an idle cluster's CPU here)
+        self.period = min(period, dead_after / 10)
         self.last_answer: dict[int, float] = {}  # node id -> monotonic time of its last answer
         self._said: set[int] = set()  # nodes whose "nowhere to go" was logged
 

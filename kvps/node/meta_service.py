@@ -90,6 +90,11 @@ class MetaService:
                                                 "commit_index": st["commit_index"],
                                                 "applied_index": st["applied_index"]}}
 
+    def version(self) -> int:
+        """The applied state's version (bumped by every change), without copying it."""
+        with self._lock:
+            return self._state.version
+
     def is_leader(self) -> bool:
         return self.group.is_leader()
 
@@ -237,7 +242,11 @@ class NodeMembership:
 
     async def follow_once(self) -> None:
         from kvps.assignment import Assignment
-        data = await self.fetch()
+        meta = self.meta
+        if meta is not None and meta.hears_leader() and meta.version() <= self.version:
+            data = None  # nothing new, and no copy of the state made to find that out
+        else:
+            data = await self.fetch()
         if data is None or data["version"] <= self.version:
             if self.view is not None and self.node.node_id < len(self.view["nodes"]):  # until recorded
                 await self.node.check_incarnation(self.view["nodes"][self.node.node_id].get("incarnation"))
