@@ -29,6 +29,9 @@ What pysyncobj 0.3.17 forces on us and how this class answers it (DESIGN section
 * PreVote (Raft thesis §9.6, ``kvps.raft.prevote``): pysyncobj has none; ``_onTick`` is
   overridden to hold back an election until a majority would vote for this replica, so a replica
   that was cut off or paused does not depose a healthy leader when it comes back.
+* Quiet heartbeats (``kvps.raft.quiet``): a leader with nothing to replicate heartbeats every
+  ``raft.quiet_period`` instead of every ``heartbeat_period``, and tells its ticker so
+  (``next_tick``); its followers wait that much longer before they stand.
 * ``raft.fast_failover``: when the transport reports that the leader's process is gone (its
   connection closed by its kernel, its port refusing connections), a follower stands for election
   after ~0.1 s instead of a full election timeout (``kvps.raft.failover``).
@@ -70,8 +73,8 @@ from kvps.raft.failover import FastFailover
 from kvps.raft.journal import using_journal
 from kvps.raft.prevote import PreVote
 from kvps.raft.quiet import Quiet
-from kvps.raft.replication import is_append
 from kvps.raft.recovery import Recovery
+from kvps.raft.replication import is_append
 from kvps.raft.threads import background_priority, name_native_thread
 from kvps.raft.ticker import GroupHalted, Ticker
 from kvps.raft.transport import make_transport_class
