@@ -68,6 +68,7 @@ class SyncClient:
     # Values are converted here, in the caller's thread (after its current CUDA stream's work),
     # so the client's loop never waits on a GPU.
     def create(self, key, value, **kw): return self._run(self._client.create(key, host_values(value), **kw))
+    def create_many(self, values, **kw): return self._run(self._client.create_many(host_values(values), **kw))
     def create_table(self, key, dim, **kw): return self._run(self._client.create_table(key, dim, **kw))
     def delete(self, key): return self._run(self._client.delete(key))
     def describe(self, key, **kw): return self._run(self._client.describe(key, **kw))

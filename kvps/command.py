@@ -35,6 +35,7 @@ __all__ = [
     "ClockTick",
     "Command",
     "CreateKey",
+    "CreateKeys",
     "CreateTable",
     "DeleteKey",
     "DenseDelta",
@@ -125,6 +126,37 @@ class CreateKey(_Base):
                 "block_rows": self.block_rows, "optimizer": self.optimizer, "merge": self.merge,
                 "blocks": [b for b, _ in self.blocks]}
         return _encode(meta, [arr for _, arr in self.blocks])
+
+
+MAX_BATCH_KEYS = 4096  # keys in one CreateKeys: bounds one entry's apply time
+
+
+@dataclass(frozen=True, eq=False)
+class CreateKeys(_Base):
+    """Many dense keys' creates in one entry (``Client.create_many``): one Raft round trip for
+    thousands of small keys instead of one each. Applied in order, each exactly as its own
+    ``CreateKey`` would be; one key's refusal (``KeyExists``) does not stop the others, and
+    its result says so."""
+
+    keys: tuple[CreateKey, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keys, tuple) or not all(isinstance(k, CreateKey) for k in self.keys):
+            raise F.bad("keys", "a tuple of CreateKey")
+        if not 1 <= len(self.keys) <= MAX_BATCH_KEYS:
+            raise InvalidRequest(f"a batch creates 1-{MAX_BATCH_KEYS} keys, not {len(self.keys)}",
+                                 field="keys")
+        if len({k.key for k in self.keys}) != len(self.keys):
+            raise InvalidRequest("a key appears twice in one batch", field="keys")
+
+    def to_bytes(self) -> bytes:
+        metas, arrays = [], []
+        for k in self.keys:
+            metas.append({"key": k.key, "shape": list(k.shape), "dtype": k.dtype,
+                          "block_rows": k.block_rows, "optimizer": k.optimizer, "merge": k.merge,
+                          "blocks": [b for b, _ in k.blocks]})
+            arrays += [arr for _, arr in k.blocks]
+        return _encode({"type": "create_keys", "keys": metas}, arrays)
 
 
 @dataclass(frozen=True, eq=False)
@@ -412,7 +444,7 @@ class SnapshotStep(_Base):
                         "label": self.label, "digest": self.digest, "size": self.size})
 
 
-Command = Union[CreateKey, CreateTable, DeleteKey, Push, Set, Barrier, ClockTick, SetRows, SnapshotStep,
+Command = Union[CreateKey, CreateKeys, CreateTable, DeleteKey, Push, Set, Barrier, ClockTick, SetRows, SnapshotStep,
                 Hyperparams]
 
 
@@ -454,6 +486,21 @@ def _decode_blocks(m: dict, arrays: tuple) -> tuple[tuple[int, np.ndarray], ...]
     return tuple(zip(ids, arrays))
 
 
+def _decode_create_keys(m: dict, arrays: tuple) -> CreateKeys:
+    at, keys = [0], []
+    if not isinstance(m["keys"], list):
+        raise InvalidRequest("create_keys: 'keys' must be a list")
+    for k in m["keys"]:
+        ids = k["blocks"]
+        if not isinstance(ids, list):
+            raise InvalidRequest("block ids and arrays disagree")
+        keys.append(CreateKey(k["key"], tuple(k["shape"]), k["dtype"], k["block_rows"], k["optimizer"],
+                              k["merge"], tuple(zip(ids, _take(arrays, len(ids), at)))))
+    if at[0] != len(arrays):
+        raise InvalidRequest("command carries unnamed arrays")
+    return CreateKeys(tuple(keys))
+
+
 def _decode(m: dict, arrays: tuple) -> Any:
     kind = m["type"]
     if kind == "push":
@@ -461,6 +508,8 @@ def _decode(m: dict, arrays: tuple) -> Any:
     if kind == "create_key":
         return CreateKey(m["key"], tuple(m["shape"]), m["dtype"], m["block_rows"], m["optimizer"],
                          m["merge"], _decode_blocks(m, arrays))
+    if kind == "create_keys":
+        return _decode_create_keys(m, arrays)
     if kind == "set":
         return Set(m["now"], m["client"], m["seq"], m["floor"], m["key"], _decode_blocks(m, arrays),
                    m["expected_version"])

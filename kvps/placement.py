@@ -7,6 +7,7 @@ Replica placement (shard -> nodes) lives with the cluster config (``ClusterConfi
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -38,9 +39,28 @@ def _shards(key: str, index: np.ndarray, salt: np.uint64, shards: int) -> np.nda
     return (mixed % np.uint64(shards)).astype(np.int64)  # (n,)
 
 
+_MASK = (1 << 64) - 1
+
+
+def _splitmix64_int(x: int) -> int:
+    """``splitmix64`` of one value in Python ints (numpy's per-call overhead is ~40x this)."""
+    z = (x + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _block_seed(key: str) -> int:
+    return _splitmix64_int(key_hash(key) ^ int(_BLOCK_SALT))
+
+
 def block_shard(key: str, block: int, shards: int) -> int:
-    """The shard that holds block ``block`` of dense key ``key``."""
-    return int(_shards(key, np.array([block], dtype=np.int64), _BLOCK_SALT, shards)[0])
+    """The shard that holds block ``block`` of dense key ``key`` (``_shards``'s rule, in scalar
+    arithmetic: a client routing 10,000 small keys calls this 10,000 times per step)."""
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise InvalidRequest(f"shards must be a positive int, got {shards!r}", field="shards")
+    return _splitmix64_int((_block_seed(key) + (int(block) & _MASK)) & _MASK) % shards
 
 
 def row_shards(key: str, ids: np.ndarray, shards: int) -> np.ndarray:

@@ -28,7 +28,7 @@ from kvps.applied import AppliedTable, Result
 from kvps.catalog import SnapshotCatalog
 from kvps.clocks import ClockTable
 from kvps.command import (
-    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Hyperparams, Push, Set,
+    Barrier, ClockTick, Command, CreateKey, CreateKeys, CreateTable, DeleteKey, Hyperparams, Push, Set,
     SetRows, SnapshotStep,
 )
 from kvps.delta import frame
@@ -110,6 +110,21 @@ class ShardState:
             self._keys[cmd.key] = entry
         return Applied({"created": existing is None or bool(new)},
                        _remember(cmd.key, [(b, blk) for b, blk in sorted(new.items())]))
+
+    def _create_keys(self, cmd: CreateKeys) -> Applied:
+        """Each key as its own ``CreateKey``, in order; a refused one (its error in its place of
+        ``results``) changes nothing and does not stop the rest."""
+        results: list[dict] = []
+        effects: list = []
+        for one in cmd.keys:
+            try:
+                out = self._create_key(one)
+            except KvpsError as exc:
+                results.append(exc.to_dict())  # {"error": class name, ...}
+                continue
+            results.append(out.result)
+            effects.extend(out.effects)
+        return Applied({"results": results}, tuple(effects))
 
     def _create_table(self, cmd: CreateTable) -> dict:
         entry = Table(cmd.key, cmd.dim, cmd.dtype, cmd.optimizer, cmd.init, cmd.merge, cmd.lifecycle)
@@ -462,6 +477,7 @@ def _entry_from_parts(meta: dict, arrays: list[np.ndarray]) -> tuple[Entry, int]
 
 _HANDLERS = {
     CreateKey: ShardState._create_key,
+    CreateKeys: ShardState._create_keys,
     CreateTable: ShardState._create_table,
     DeleteKey: ShardState._delete_key,
     Push: ShardState._push,

@@ -225,7 +225,7 @@ DATA_PATHS: dict[str, dict[str, Any]] = {
     "/v1/rpc/{op}": {"post": {
         "summary": "Data-plane operation on one shard replica (binary kvps frames, see docs/architecture.md)",
         "parameters": [{"name": "op", "in": "path", "required": True, "schema": {"enum": [
-            "push", "pull", "pull_rows", "stored_rows", "set_rows", "create_key", "create_table", "delete_key", "set",
+            "push", "pull", "pull_rows", "stored_rows", "set_rows", "create_key", "create_keys", "create_table", "delete_key", "set",
             "describe", "keys", "key_versions", "state_hash", "clock_tick", "clocks", "hyperparams", "membership", "snapshot_step",
             "snapshot_status", "snapshot_catalog", "snapshot_prepare"]}}],
         "requestBody": {"required": True, "content": {"application/x-kvps-frame": {"schema": _str}}},

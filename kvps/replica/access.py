@@ -21,7 +21,7 @@ OP_ROLES = {
     "pull": "read", "pull_rows": "read", "stored_rows": "read", "describe": "read", "keys": "read",
     "clocks": "read", "state_hash": "read", "snapshot_status": "read", "snapshot_catalog": "read",
     "key_versions": "read",  # a follower behind a read's min_version asks its leader
-    "push": "write", "set": "write", "set_rows": "write", "create_key": "write",
+    "push": "write", "set": "write", "set_rows": "write", "create_key": "write", "create_keys": "write",
     "create_table": "write", "delete_key": "write", "clock_tick": "write", "hyperparams": "write",
     "membership": "admin", "snapshot_step": "admin", "snapshot_prepare": "admin",
 }

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from kvps.service.auth import TokenStore
 from kvps.command import (
-    SNAPSHOT_ID, ClockTick, CreateKey, CreateTable, DeleteKey, Hyperparams, Set, SetRows, SnapshotStep,
+    MAX_BATCH_KEYS, SNAPSHOT_ID, ClockTick, CreateKey, CreateKeys, CreateTable, DeleteKey, Hyperparams, Set, SetRows, SnapshotStep,
 )
 from kvps.delta import frame, lossy
 from kvps.errors import InvalidRequest, KeyNotFound, KvpsError, RequestTooLarge, Timeout
@@ -302,6 +302,23 @@ async def _create_key(replica: Replica, req: frame.Frame):
     return await replica.write(cmd), ()
 
 
+async def _create_keys(replica: Replica, req: frame.Frame):
+    """Many dense keys' creates (this shard's blocks of each) in one Raft entry: ``{"results":
+    [...]}``, one per key in order, ``{"created": bool}`` or the key's error."""
+    defs = rq.items(req.meta, "keys")
+    if not 1 <= len(defs) <= MAX_BATCH_KEYS:
+        raise InvalidRequest(f"'keys' must name 1-{MAX_BATCH_KEYS} keys", field="keys")
+    cmds = tuple(CreateKey(key=rq.key(m), shape=tuple(rq.field(m, "shape", list)), dtype=rq.field(m, "dtype", str),
+                           block_rows=rq.field(m, "block_rows", int), optimizer=rq.field(m, "optimizer", dict),
+                           merge=rq.field(m, "merge", str, "sum"), blocks=_item_blocks(req, m))
+                 for m in defs)
+    return await replica.write(CreateKeys(cmds)), ()
+
+
+def _item_blocks(req: frame.Frame, it: dict) -> tuple[tuple[int, np.ndarray], ...]:
+    return tuple((rq.field(b, "block", int), rq.array(req, b.get("array"))) for b in rq.items(it, "blocks"))
+
+
 async def _create_table(replica: Replica, req: frame.Frame):
     m = req.meta
     cmd = CreateTable(key=rq.key(m), dim=rq.field(m, "dim", int), dtype=rq.field(m, "dtype", str),
@@ -342,8 +359,15 @@ async def _clocks(replica: Replica, req: frame.Frame):
 
 
 async def _describe(replica: Replica, req: frame.Frame):
+    """One key's info (``key``), or several's (``keys``: ``{"infos": [...]}`` in their order;
+    ``KeyNotFound`` for the first one missing)."""
     await replica.before_read(rq.field(req.meta, "consistency", str, "leader"), {})
-    return {"info": replica.describe(rq.key(req.meta))}, ()
+    if "keys" not in req.meta:
+        return {"info": replica.describe(rq.key(req.meta))}, ()
+    keys = rq.field(req.meta, "keys", list)
+    if not 1 <= len(keys) <= MAX_BATCH_KEYS or not all(isinstance(k, str) for k in keys):
+        raise InvalidRequest(f"'keys' must be 1-{MAX_BATCH_KEYS} strings", field="keys")
+    return {"infos": [replica.describe(k) for k in keys]}, ()
 
 
 async def _keys(replica: Replica, req: frame.Frame):
@@ -411,6 +435,7 @@ HANDLERS: dict[str, Handler] = {
     "stored_rows": _stored_rows,
     "set_rows": _set_rows,
     "create_key": _create_key,
+    "create_keys": _create_keys,
     "create_table": _create_table,
     "delete_key": _delete_key,
     "set": _set,

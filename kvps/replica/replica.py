@@ -20,7 +20,7 @@ from typing import Any
 
 from kvps.clocks import ClusterTime
 from kvps.command import (
-    Barrier, ClockTick, Command, CreateKey, CreateTable, DeleteKey, Hyperparams, Push, Set, SetRows,
+    Barrier, ClockTick, Command, CreateKey, CreateKeys, CreateTable, DeleteKey, Hyperparams, Push, Set, SetRows,
     SnapshotStep,
     decode_command,
 )
@@ -292,7 +292,7 @@ class Replica:
             err = self.host.lookup(lambda s: s.check_hyperparams(cmd))
             if err is not None:
                 raise err
-        elif not isinstance(cmd, (CreateKey, CreateTable, DeleteKey, ClockTick, SetRows)):
+        elif not isinstance(cmd, (CreateKey, CreateKeys, CreateTable, DeleteKey, ClockTick, SetRows)):
             raise InvalidRequest(f"not a write command: {type(cmd).__name__}")
         result = await self._propose(cmd.to_bytes())
         if isinstance(cmd, Set):

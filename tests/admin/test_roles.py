@@ -44,7 +44,7 @@ DATA_ROUTES = {("GET", "/healthz"): OPEN, ("GET", "/metrics"): OPEN, ("GET", "/v
 DATA_OPS = {
     **{op: "read" for op in ("pull", "pull_rows", "stored_rows", "describe", "keys", "key_versions",
                              "clocks", "state_hash", "snapshot_status", "snapshot_catalog")},
-    **{op: "write" for op in ("push", "set", "set_rows", "create_key", "create_table", "delete_key",
+    **{op: "write" for op in ("push", "set", "set_rows", "create_key", "create_keys", "create_table", "delete_key",
                               "clock_tick", "hyperparams")},
     **{op: "admin" for op in ("membership", "snapshot_step", "snapshot_prepare")},
 }

@@ -114,6 +114,41 @@ def test_errors_are_typed_and_change_nothing(cluster):
     assert version == 0 and np.all(value == 0)
 
 
+def test_create_many_small_and_big_keys_in_few_requests(cluster):
+    """``create_many``: one request per shard for many small keys (plus the chunks of a key too
+    big for one request); each key holds its value; pulling them all learns their layouts in
+    one request per shard; a refused key stops no other and is raised after; a retried batch
+    is a no-op."""
+    rng = np.random.default_rng(11)
+    small = {f"many/k{i}": rng.standard_normal(8).astype(np.float32) for i in range(600)}
+    big = rng.standard_normal((600, 1024)).astype(np.float32)  # 2.4 MiB: several blocks
+
+    async def main():
+        async with client(cluster, timeout=60) as ps:
+            before = ps.stats.requests
+            await ps.create_many({**small, "many/big": big}, optimizer=kc.SGD(lr=1.0))
+            create_requests = ps.stats.requests - before
+            await ps.create_many(small, optimizer=kc.SGD(lr=1.0))  # the same again: a no-op
+            await ps.create("many/other", np.zeros(3, np.float32))
+            with pytest.raises(kc.KeyExists):  # another definition of one key; the rest is created
+                await ps.create_many({"many/other": np.zeros(4, np.float32), "many/new": np.ones(2, np.float32)})
+        async with client(cluster, timeout=60) as ps:
+            before = ps.stats.requests
+            got = await ps.pull([*small, "many/big", "many/new"])
+            pull_requests = ps.stats.requests - before
+            await ps.push({k: np.ones(8, np.float32) for k in small})
+            after = await ps.pull(list(small))
+        return create_requests, pull_requests, got, after
+
+    create_requests, pull_requests, got, after = run(main())
+    shards = cluster.cfg.shards
+    assert create_requests <= 3 * shards, create_requests  # not one per key
+    assert pull_requests <= 2 * shards, pull_requests  # the layouts, then the blocks: per shard
+    assert all(np.array_equal(got[k], v) for k, v in small.items())
+    assert np.array_equal(got["many/big"], big) and np.array_equal(got["many/new"], np.ones(2, np.float32))
+    assert all(np.array_equal(after[k], v - 1) for k, v in small.items())  # pushed once each
+
+
 def test_bad_token_is_unauthorized(cluster):
     async def main():
         async with kc.Client(cluster.endpoints, token="wrong", seed=0) as ps:
@@ -279,6 +314,8 @@ def test_pull_rows_with_min_version(cluster):
 def test_sync_client(cluster):
     with kc.SyncClient(cluster.endpoints, token=cluster.token, seed=0) as ps:
         ps.create("sync/w", np.zeros(3, np.float32), optimizer=kc.SGD(lr=0.1))
+        ps.create_many({"sync/a": np.ones(2, np.float32), "sync/b": np.zeros(1, np.float32)})
+        assert [ps.pull(["sync/a"])["sync/a"].tolist(), ps.describe("sync/b")["shape"]] == [[1, 1], [1]]
         ps.push({"sync/w": np.ones(3, np.float32)})
         np.testing.assert_allclose(ps.pull(["sync/w"])["sync/w"], -0.1)
         assert ps.stats.bytes_sent > 0

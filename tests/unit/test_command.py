@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvps.command import (
-    Barrier, CreateKey, CreateTable, DeleteKey, DenseDelta, Push, PushId, RowDelta, Set, decode_command,
+    Barrier, CreateKey, CreateKeys, CreateTable, DeleteKey, DenseDelta, Push, PushId, RowDelta, Set, decode_command,
 )
 from kvps.delta import frame
 from kvps.errors import CodecError, InvalidRequest
@@ -41,6 +41,9 @@ COMMANDS = [
     Set(99.25, "c", 7, 4, "w", ((1, _f32(2, 3)),), 12),
     Set(1e9, "c", 7, 7, "w", ((0, _f32(2, 3)), (2, _f32(1, 3))), None),
     Barrier(4, "127.0.0.1:7200"),
+    CreateKeys((CreateKey("a", (3,), "float32", 2, SGD, "sum", ((1, _f32(1)),)),
+                CreateKey("b", (), "float64", 1, {"name": "add"}, "mean", ((0, np.array(1.5)),)),
+                CreateKey("c", (4,), "float32", 1, {"name": "adagrad"}, "sum", ()))),
 ]
 
 
@@ -132,6 +135,31 @@ def _command_frame(meta, arrays=()):
 ])
 def test_decode_rejects_junk(data, error):
     with pytest.raises(error):
+        decode_command(data)
+
+
+def test_create_keys_refuses_a_bad_batch():
+    one = CreateKey("a", (2,), "float32", 2, SGD, "sum", ((0, _f32(2)),))
+    for keys in ((), (one, one), [one], (one, "b")):
+        with pytest.raises(InvalidRequest):
+            CreateKeys(keys)
+
+
+def _create_keys_frame(blocks: list, arrays: int) -> bytes:
+    meta = {"type": "create_keys", "keys": [{"key": "a", "shape": [2], "dtype": "float32", "block_rows": 1,
+                                            "optimizer": SGD, "merge": "sum", "blocks": blocks}]}
+    return _command_frame(meta, [np.zeros(1, np.float32)] * arrays)
+
+
+@pytest.mark.parametrize("data", [
+    _create_keys_frame([0, 1], 1),   # names an array it does not carry
+    _create_keys_frame([0], 2),      # carries an unnamed array
+    _create_keys_frame(0, 1),        # block ids not a list
+    _command_frame({"type": "create_keys", "keys": "a"}),
+    _command_frame({"type": "create_keys", "keys": []}),
+], ids=["missing-array", "unnamed-array", "blocks-not-list", "keys-not-list", "no-keys"])
+def test_create_keys_decode_rejects_junk(data):
+    with pytest.raises(InvalidRequest):
         decode_command(data)
 
 

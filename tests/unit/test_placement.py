@@ -5,6 +5,8 @@ import hashlib
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvps.errors import InvalidRequest
 from kvps.placement import DenseLayout, block_shard, key_hash, layout_for, row_shards
@@ -87,3 +89,12 @@ def test_layout_validation(shape, dtype, block_rows):
         DenseLayout(shape, dtype, block_rows)
     with pytest.raises(InvalidRequest):  # block_bytes 0 stands in for block_rows 0
         layout_for(shape, dtype, 1024 if block_rows else 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=40), st.integers(-2**63, 2**63 - 1), st.integers(1, 1000))
+def test_block_shard_in_scalar_arithmetic_is_the_vectorised_rule(key, block, shards):
+    """``block_shard`` computes in Python ints; the rule is ``_shards``'s numpy one (rows use it)."""
+    from kvps.placement import _BLOCK_SALT, _shards
+
+    assert block_shard(key, block, shards) == int(_shards(key, np.array([block], np.int64), _BLOCK_SALT, shards)[0])

@@ -9,7 +9,7 @@ import pytest
 
 from kvps.applied import AppliedTable
 from kvps.command import (
-    Barrier, CreateKey, CreateTable, DeleteKey, DenseDelta, Hyperparams, Push, PushId, Set, decode_command,
+    Barrier, CreateKey, CreateKeys, CreateTable, DeleteKey, DenseDelta, Hyperparams, Push, PushId, Set, decode_command,
 )
 from kvps.errors import (
     CodecError, InvalidRequest, KeyExists, KeyNotFound, PushExpired, ShapeMismatch, Unavailable,
@@ -53,6 +53,26 @@ def test_create_same_definition_is_a_noop_and_different_is_key_exists():
     assert isinstance(s.apply(CreateTable("w", 3, "float32", ADD, NORMAL, "sum")).result, KeyExists)
     assert isinstance(s.apply(CreateTable("e", 4, "float32", ADD, NORMAL, "sum")).result, KeyExists)
     assert s.state_hash() == before
+
+
+def test_create_keys_is_each_create_key_in_order_and_a_refusal_stops_nothing():
+    """A batch ends in the state its creates applied one by one reach (the same hash), answers
+    per key, and a key refused (another definition) changes nothing and stops no other key."""
+    creates = (CreateKey("a", (3,), "float32", 2, ADD, "sum", ((0, np.ones(2, np.float32)),)),
+               CreateKey("e", (5, 2), "float32", 2, ADD, "sum", ()),  # 'e' is a table
+               CreateKey("w2", (), "float64", 1, ADD, "sum", ((0, np.array(2.5)),)),
+               CreateKey("w", (5, 2), "float32", 2, ADD, "sum", ((1, np.full((2, 2), 7, np.float32)),)))
+    batched, one_by_one = _state(), _state()
+    out = batched.apply(CreateKeys(creates))
+    singles = [one_by_one.apply(c) for c in creates]
+    assert [r.get("created") for r in out.result["results"]] == [True, None, True, True]
+    assert out.result["results"][1]["error"] == "KeyExists" and isinstance(singles[1].result, KeyExists)
+    assert [r.result for i, r in enumerate(singles) if i != 1] == [r for i, r in enumerate(out.result["results"]) if i != 1]
+    assert batched.state_hash() == one_by_one.state_hash()
+    remembered = lambda effects: [(k, b, v, val.tobytes()) for e in effects for k, b, v, val in e.blocks]  # noqa: E731
+    assert remembered(out.effects) == remembered(e for r in singles for e in r.effects) != []  # for deltas
+    assert batched.describe("w")["blocks"] == [0, 1, 2] and batched.describe("w2")["shape"] == []
+    assert batched.snapshot() == ShardState.restore(batched.snapshot()).snapshot()
 
 
 def test_create_in_parts_adds_missing_blocks_and_keeps_existing_ones():
