@@ -9,7 +9,9 @@ Sections (``--only b1,b3`` picks some):
   B4  pulls: full vs incremental, dense and sparse changes, bytes and time;
   B5  the machine's limits in the same run: loopback TCP and memcpy bytes/s;
   B6  sparse rows: Zipf-distributed embedding ids pulled and pushed, rows/s (kvps vs Redis
-      hash fields with HMGET/HSET + WAIT 2 vs the RPC server holding the table).
+      hash fields with HMGET/HSET + WAIT 2 vs the RPC server holding the table);
+  B7  many small keys: 10,000 × 1 KiB created, then pulled all + pushed all (kvps vs Redis
+      pipelined GET / SET + WAIT 2).
 
 Writes DIR/results.json (every figure; ratios under ``ratio_vs_<peer>``), DIR/results.md (tables)
 and DIR/*.png. A peer that cannot run (no redis-server and no way to install it, no torch RPC)
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     systems = tuple(s for s in SYSTEMS if s not in args.skip)
     skipped: dict[str, str] = {}
-    if "redis" in systems and {"b1", "b2", "b6"} & set(args.only):
+    if "redis" in systems and {"b1", "b2", "b6", "b7"} & set(args.only):
         from kvps.bench.redis_peer import redis_missing_reason
         reason = redis_missing_reason(install=not args.no_install)
         if reason:

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from kvps.bench.small_keys import SmallKeys
 from kvps.bench.sparse import SparseWork
 from kvps.bench.workload import Model
 
 __all__ = ["PLANS", "Plan", "SECTIONS", "SYSTEMS", "with_overrides"]
 
 KiB, MiB = 1 << 10, 1 << 20
-SECTIONS = ("b0", "b1", "b2", "b3", "b4", "b5", "b6")
+SECTIONS = ("b0", "b1", "b2", "b3", "b4", "b5", "b6", "b7")
 SYSTEMS = ("kvps", "redis", "rpc", "inmem")
 
 
@@ -58,6 +59,8 @@ class Plan:
     b6_work: SparseWork = field(default_factory=SparseWork)
     b6_warmup: float = 2.0
     b6_seconds: float = 10.0
+    # B7: many small keys (10,000 × 1 KiB), created, then pulled all and pushed all per round.
+    b7_work: SmallKeys = field(default_factory=SmallKeys)
 
     def estimates(self, sections: tuple[str, ...], systems: tuple[str, ...]) -> dict[str, float]:
         """Phase -> rough seconds on the 2-core machine (for the progress bar only)."""
@@ -77,7 +80,9 @@ class Plan:
                "B3 kvps": 5 + 3.5 * self.b3_kills,
                "B6 rpc": self.b6_warmup + self.b6_seconds + 25,
                "B6 redis": self.b6_warmup + self.b6_seconds + 8,
-               "B6 kvps": self.b6_warmup + self.b6_seconds + 8}
+               "B6 kvps": self.b6_warmup + self.b6_seconds + 8,
+               "B7 redis": 1 + 0.5 * self.b7_work.rounds * self.b7_work.keys / 10_000,
+               "B7 kvps": 4 + 2.0 * self.b7_work.rounds * self.b7_work.keys / 10_000}
         wanted = {}
         for phase, seconds in est.items():
             if "(procs" in phase and not phase.startswith("B0"):
@@ -88,7 +93,7 @@ class Plan:
             section, _, system = phase.partition(" ")
             system = system.split(" ")[0]
             if section == "start":
-                if system in systems and ({"b1", "b2", "b6"} & set(sections) or system == "kvps"):
+                if system in systems and ({"b1", "b2", "b6", "b7"} & set(sections) or system == "kvps"):
                     wanted[phase] = seconds
             elif section.lower() in sections and (section == "B5" or system in systems):
                 wanted[phase] = seconds
@@ -98,14 +103,15 @@ class Plan:
 PLANS = {
     "full": Plan("full"),
     "quick": Plan("quick", b1_warmup=6.0, b1_seconds=6.0, b1_fairness=False, b0_settle=3.0, b0_seconds=8.0,
-                  b2_sizes=(4 * KiB, 64 * KiB, MiB, 4 * MiB), b2_seconds=1.5, b3_kills=3, b4_repeats=3, b5_seconds=1.0, b6_warmup=1.0, b6_seconds=4.0),
+                  b2_sizes=(4 * KiB, 64 * KiB, MiB, 4 * MiB), b2_seconds=1.5, b3_kills=3, b4_repeats=3, b5_seconds=1.0, b6_warmup=1.0, b6_seconds=4.0,
+                  b7_work=SmallKeys(rounds=3)),
     # For tests: seconds, not minutes. Small model, 2 shards, one of everything.
     "tiny": Plan("tiny", workers=2, model=Model(tensors=4, tensor_bytes=256 * KiB), b1_warmup=0.3,
                  b1_seconds=1.0, b1_fairness=False, b1_procs_row=False, b0_settle=0.2, b0_seconds=0.5,
                  shards=2, b2_sizes=(64 * KiB,), b2_seconds=0.4, b3_kills=1,
                  b3_model=Model(tensors=2, tensor_bytes=64 * KiB), b4_repeats=1, b5_seconds=0.2,
                  b6_work=SparseWork(rows=5000, dim=16, lookups=256, batches=4), b6_warmup=0.3,
-                 b6_seconds=1.0),
+                 b6_seconds=1.0, b7_work=SmallKeys(keys=300, rounds=2)),
 }
 
 

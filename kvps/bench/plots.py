@@ -29,6 +29,8 @@ def write_plots(results: dict, out: Path) -> list[str]:
         written.append(_b4(results["b4"], out / "b4_pulls.png"))
     if "b6" in results:
         written.append(_b6(results["b6"], out / "b6_sparse_rows.png"))
+    if "b7" in results:
+        written.append(_b7(results["b7"], out / "b7_small_keys.png"))
     return []  # nothing skipped
 
 
@@ -113,6 +115,27 @@ def _b6(b6: dict, path: Path) -> Path:
     ax.bar_label(bars, fmt="%.0f")
     ax.set_ylabel("rows/s pulled + pushed (all workers)")
     ax.set_title(f"B6: Zipf(s={b6['workload']['zipf_s']}) embedding rows, dim {b6['workload']['dim']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _b7(b7: dict, path: Path) -> Path:
+    names = [n for n in ("kvps", "redis") if n in b7["systems"]]
+    parts = ("create_s", "pull_s", "push_s")
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(names)
+    for i, (name, color) in enumerate(zip(names, ["#2a7", "#c33"])):
+        xs = [j + i * width for j in range(len(parts))]
+        bars = ax.bar(xs, [b7["systems"][name][p] for p in parts], width, label=LABELS[name], color=color)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(parts))],
+                  ["create all", "pull all", "push all"])
+    ax.set_ylabel("seconds (lower is better)")
+    w = b7["workload"]
+    ax.set_title(f"B7: {w['keys']:,} keys of {w['key_bytes']:,} bytes")
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

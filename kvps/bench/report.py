@@ -34,6 +34,8 @@ TARGETS = (
      ("b0", "procs_1", "cores"), 0.05, "<="),
     ("b3_p50", "B3 kill → first commit p50 ≤ 0.5 s", ("b3", "p50_s"), 0.5, "<="),
     ("b3_max", "B3 kill → first commit max ≤ 1.5 s", ("b3", "max_s"), 1.5, "<="),
+    ("b7_vs_redis", "B7 small keys, pull all + push all ≥ 1.0 × Redis", ("b7", "ratio_vs_redis"), 1.0, ">="),
+    ("b7_create", "B7 kvps creating the keys ≤ 2 s", ("b7", "systems", "kvps", "create_s"), 2.0, "<="),
 )
 
 
@@ -140,6 +142,8 @@ def render_markdown(r: dict) -> str:
         out += _b5_md(r["b5"])
     if "b6" in r:
         out += _b6_md(r["b6"])
+    if "b7" in r:
+        out += _b7_md(r["b7"])
     return "\n".join(out) + "\n"
 
 
@@ -156,6 +160,22 @@ def _b6_md(b6: dict) -> list[str]:
         ratio = "–" if name == "kvps" else _f(b6.get(f"ratio_vs_{name}"))
         rows.append(f"| {name} | {sys_['rows_per_s']:,.0f} | {_f(sys_['steps_per_s'])} | "
                     f"{_f(sys_['step_ms_p50'], 1)} | {ratio} |")
+    return rows + [""]
+
+
+def _b7_md(b7: dict) -> list[str]:
+    w = b7["workload"]
+    rows = ["## B7 — many small keys", "",
+            (f"{w['keys']:,} dense keys of {w['key_bytes']:,} bytes; created once, then {w['rounds']} rounds of "
+             "pull every key + push every key, one client. kvps: `create_many`, `pull`, `push` (Add, "
+             "exactly once on 3 replicas); Redis: pipelined `SET`s + `WAIT 2`, pipelined `GET`s. Seconds: "
+             "medians over the rounds."), "",
+            "| system | create s | pull s | push s | round s | first pull s | kvps / system |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, sys_ in b7["systems"].items():
+        ratio = "–" if name == "kvps" else _f(b7.get(f"ratio_vs_{name}"))
+        rows.append(f"| {name} | {_f(sys_['create_s'])} | {_f(sys_['pull_s'], 3)} | {_f(sys_['push_s'], 3)} | "
+                    f"{_f(sys_['round_s'], 3)} | {_f(sys_.get('first_pull_s'), 3)} | {ratio} |")
     return rows + [""]
 
 

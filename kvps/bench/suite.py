@@ -2,7 +2,7 @@
 
 Order: the machine's limits first (B5, on a machine as quiet as it will get), then B1's
 in-process baseline and the RPC peer (B1, B6), then Redis (B1, B2, B6) with no kvps process
-running, then one kvps cluster for B1, B2, B4, B6 and last B3 (it kills leaders). Each peer runs
+running, then one kvps cluster for B1, B2, B4, B6, B7 and last B3 (it kills leaders). Each peer runs
 alone, so none pays for
 another's idle processes; ``load_avg`` is recorded with every measurement because the machine is
 shared and drift between measurements is the main source of error.
@@ -46,6 +46,7 @@ def run_suite(plan: Plan, sections: tuple[str, ...], systems: tuple[str, ...],
     b1: dict[str, Any] = {}
     b2: dict[str, Any] = {}
     b6: dict[str, Any] = {}
+    b7: dict[str, Any] = {}
     results["meta"]["kvps_cluster"]["procs"] = plan.kvps_procs
     if "b5" in sections:
         with progress.phase("B5 limits"):
@@ -65,10 +66,10 @@ def run_suite(plan: Plan, sections: tuple[str, ...], systems: tuple[str, ...],
     if "b6" in sections and "rpc" in systems:
         with progress.phase("B6 rpc"):
             b6["rpc"] = _b6_rpc(plan)
-    if "redis" in systems and {"b1", "b2", "b6"} & set(sections):
-        _redis(plan, sections, progress, b1, b2, b6)
-    if "kvps" in systems and {"b1", "b2", "b3", "b4", "b6"} & set(sections):
-        _kvps(plan, sections, progress, b1, b2, b6, results)
+    if "redis" in systems and {"b1", "b2", "b6", "b7"} & set(sections):
+        _redis(plan, sections, progress, b1, b2, b6, b7)
+    if "kvps" in systems and {"b1", "b2", "b3", "b4", "b6", "b7"} & set(sections):
+        _kvps(plan, sections, progress, b1, b2, b6, b7, results)
     if b1:
         results["b1"] = {"systems": b1, **_ratios(b1, "steps_per_s")}
     if b2:
@@ -78,6 +79,11 @@ def run_suite(plan: Plan, sections: tuple[str, ...], systems: tuple[str, ...],
         results["b6"] = {"systems": b6, **_ratios(b6, "rows_per_s"),
                          "workload": {"rows": w.rows, "dim": w.dim, "lookups": w.lookups, "zipf_s": w.zipf_s,
                                       "workers": plan.workers, "rows_per_step": w.mean_rows(plan.workers)}}
+    if b7:
+        w = plan.b7_work
+        results["b7"] = {"systems": b7, "workload": {"keys": w.keys, "key_bytes": w.key_bytes, "rounds": w.rounds}}
+        if "kvps" in b7 and "redis" in b7:  # round time: lower is better, so the peer's over kvps's
+            results["b7"]["ratio_vs_redis"] = b7["redis"]["round_s"] / b7["kvps"]["round_s"]
     results["meta"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return results
 
@@ -127,7 +133,7 @@ def _b6_figures(plan: Plan, reports: list) -> dict:
     return {**figures, "rows_per_s": figures["steps_per_s"] * rows, "load_avg": _load()}
 
 
-def _redis(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dict) -> None:
+def _redis(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dict, b7: dict) -> None:
     with _redis_group(False, progress, "start redis") as (group, usage):
         if "b1" in sections:
             with progress.phase("B1 redis"):
@@ -151,6 +157,11 @@ def _redis(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dic
                 b6["redis"] = {**_b6_figures(plan, reports),
                                "wait_short": sum(r.counters.get("wait_short", 0) for r in reports),
                                "semantics": "last-writer-wins per row"}
+        if "b7" in sections:
+            from kvps.bench.small_keys import redis_small_keys
+            with progress.phase("B7 redis"):
+                b7["redis"] = {**redis_small_keys(group.primary_port, group.replicas, plan.b7_work,
+                                                  progress.detail), "load_avg": _load()}
     if "b1" in sections and plan.b1_fairness:
         # the fairness row: Redis persisting its writes as kvps's journal does (fsync every second)
         with _redis_group(True, progress, "start redis (aof)") as (group, usage):
@@ -184,7 +195,8 @@ def _b1_redis(plan: Plan, group: Any, usage: Callable) -> dict[str, Any]:
             "semantics": "last-writer-wins: concurrent workers overwrite each other"}
 
 
-def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dict, results: dict) -> None:
+def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dict, b7: dict,
+          results: dict) -> None:
     from kvps.bench.failover import failover
     from kvps.bench.pulls import pulls
 
@@ -214,6 +226,11 @@ def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dict
                                       server=usage)
                 b6["kvps"] = {**_b6_figures(plan, reports),
                               "semantics": "every row push applied exactly once"}
+        if "b7" in sections:
+            from kvps.bench.small_keys import kvps_small_keys
+            with progress.phase("B7 kvps"):
+                b7["kvps"] = {**kvps_small_keys(cluster.endpoints, cluster.token, plan.b7_work,
+                                                progress.detail), "load_avg": _load()}
         if "b3" in sections:  # last: it kills leaders
             with progress.phase("B3 kvps"):
                 results["b3"] = {**failover(cluster, plan.b3_model, plan.b3_kills, progress.detail),

@@ -42,13 +42,17 @@ def test_derive_names_ratios_and_targets():
         "b5": {"loopback_bytes_per_s": 3e9, "memcpy_bytes_per_s": 6e9},
         "b0": {"procs_0": {"procs": 0, "cores": 0.3, "processes": 27},
                "procs_1": {"procs": 1, "cores": 0.04, "processes": 3}},
+        "b7": {"systems": {"kvps": {"create_s": 1.5, "pull_s": 0.3, "push_s": 0.5, "round_s": 0.8, "rounds": 5},
+                           "redis": {"create_s": 0.5, "pull_s": 0.1, "push_s": 0.1, "round_s": 0.2, "rounds": 5}},
+               "ratio_vs_redis": 0.25, "workload": {"keys": 10_000, "key_bytes": 1024, "rounds": 5}},
     }
     derive(results)
     met = {t["name"]: t["met"] for t in results["targets"]}
     assert met == {"b1_vs_redis": True, "b1_vs_rpc": None, "b2_1mib_vs_redis": None,
                    "b1_vs_redis_half": True, "b1_server_cpu": None, "b1_server_faults": None,
                    "b1_page_cache": None, "b1_elections": None, "b1_retries": None,
-                   "b0_idle": True, "b3_p50": False, "b3_max": False}  # median of (0.4, 2.0) is 1.2
+                   "b0_idle": True, "b3_p50": False, "b3_max": False,  # median of (0.4, 2.0) is 1.2
+                   "b7_vs_redis": False, "b7_create": True}
     # L: 4 models over loopback at 3 GB/s + 11.5 models through memory at 6 GB/s, on 2 cores
     model = 64 << 20
     limit = 2 / (4 * model / 3e9 + 11.5 * model / 6e9)
@@ -60,6 +64,7 @@ def test_derive_names_ratios_and_targets():
     assert "| B3 kill → first commit max ≤ 1.5 s | 2.00 | **no** |" in md
     assert "**Physical limit** L = " in md
     assert "| in the node's process (`procs = 1`) | 3 | 0.040 | – |" in md
+    assert "| kvps | 1.50 | 0.300 | 0.500 | 0.800 | – | – |" in md and "| redis | 0.50 |" in md
 
 
 def test_updates_lost_counts_the_pushes_missing_from_the_final_values():
@@ -111,7 +116,10 @@ def test_tiny_bench_runs_every_section(tmp_path, capsys):
     # every replica a process of its own (3 nodes + 3 x 2 replicas), or only the 3 nodes
     assert b0["procs_0"]["processes"] == 3 + 3 * 2 and b0["procs_1"]["processes"] == 3
     assert results["meta"]["kvps_cluster"]["procs"] == 1
-    for section in ("## B0", "## B1", "## B2", "## B3", "## B4", "## B5", "## B6", "## Targets"):
+    b7 = results["b7"]["systems"]  # the run itself checks every key's value after the pushes
+    assert b7["kvps"]["rounds"] == 2 and 0 < b7["kvps"]["pull_s"] and 0 < b7["kvps"]["create_s"]
+    assert (out / "b7_small_keys.png").stat().st_size > 0
+    for section in ("## B0", "## B1", "## B2", "## B3", "## B4", "## B5", "## B6", "## B7", "## Targets"):
         assert section in md
 
     reason = redis_missing_reason(install=False)
@@ -122,8 +130,10 @@ def test_tiny_bench_runs_every_section(tmp_path, capsys):
         assert row["redis"]["bytes_per_s"] > 0 and row["kvps"]["bytes_per_s"] > 0
         assert math.isfinite(row["ratio_vs_redis"])
         assert b6["redis"]["rows_per_s"] > 0 and math.isfinite(results["b6"]["ratio_vs_redis"])
+        assert b7["redis"]["round_s"] > 0 and results["b7"]["ratio_vs_redis"] > 0
     else:
         assert "redis" in results["skipped"] and "redis" not in b1 and "redis" not in b6
+        assert "redis" not in b7
         assert "redis" in md  # the skip is stated in the report
 
 
