@@ -25,6 +25,7 @@ import numpy as np
 
 from kvps.command import MAX_BATCH_KEYS
 from kvps.delta import frame
+from kvps.delta.pack import PACK_MAX_BYTES, pack, unpack
 from kvps.delta.xor import apply_xor
 from kvps.errors import (
     CodecError, InvalidRequest, KvpsError, RejectedError, Unavailable, VersionNotIssued, error_from_dict,
@@ -329,7 +330,13 @@ class Client:
         for shard, items in per_shard.items():
             for chunk in chunks(items, self.cluster_map.max_push_bytes, lambda it: it[2].nbytes):
                 entries, arrays = [], []
+                small, small_values = [], []  # raw gradients small enough to pack (kvps.delta.pack)
                 for key, block, part in chunk:
+                    if self._lossy is None and part.nbytes <= PACK_MAX_BYTES:
+                        entries.append({"key": key, "block": block})
+                        small.append(entries[-1])
+                        small_values.append(part)
+                        continue
                     fields, parts = {}, [part]
                     if self._lossy is not None:
                         fields, parts, residual = self._lossy.encode(key, block, part)
@@ -338,6 +345,7 @@ class Client:
                     if len(parts) == 2:  # top-k: values, then their flat indices
                         entries[-1]["idx"] = len(arrays) + 1
                     arrays += parts
+                pack(small, small_values, arrays)
                 requests.append((shard, {"dense": entries}, arrays))
         if self._lossy is None:
             return await self._push_requests(requests)
@@ -410,7 +418,7 @@ class Client:
                     {"key": key, "blocks": blocks, "have": [cache.versions[b] for b in blocks],
                      "min_version": int(mv)})
         resps = await self.sender.fan_out([
-            self.call(shard, "pull", {"dense": items, "consistency": consistency,
+            self.call(shard, "pull", {"dense": items, "consistency": consistency, "packed": True,
                                        "delta": self._deltas_for(shard)}, consistency=consistency)
             for shard, items in per_shard.items()])
         if min_version:  # every shard holding blocks of the key was asked
@@ -424,7 +432,9 @@ class Client:
         for resp in resps:
             for entry in resp.meta["blocks"]:
                 cache, b = caches[entry["key"]], entry["block"]
-                if entry["array"] is not None:
+                if "packed" in entry:
+                    cache.blocks[b] = unpack(resp.arrays, entry)
+                elif entry["array"] is not None:
                     value = resp.arrays[entry["array"]]
                     if entry.get("base") is not None:  # exact delta onto the version we hold
                         if cache.versions[b] != entry["base"] or cache.blocks[b] is None:

@@ -22,6 +22,7 @@ from kvps.command import (
     MAX_BATCH_KEYS, SNAPSHOT_ID, ClockTick, CreateKey, CreateKeys, CreateTable, DeleteKey, Hyperparams, Set, SetRows, SnapshotStep,
 )
 from kvps.delta import frame, lossy
+from kvps.delta.pack import PACK_MAX_BYTES, pack
 from kvps.errors import InvalidRequest, KeyNotFound, KvpsError, RequestTooLarge, Timeout
 from kvps.delta.xor import xor_delta
 from kvps.replica import requests as rq
@@ -188,7 +189,7 @@ def _dense_grad(describe: Describe, req: frame.Frame, it: dict) -> np.ndarray:
     """A dense gradient part, decoded to the key's dtype if a lossy codec sent it."""
     encoding = rq.field(it, "encoding", str, "raw")
     if encoding == "raw":
-        return rq.array(req, it.get("array"))
+        return rq.packed(req, it) if "packed" in it else rq.array(req, it.get("array"))
     key, block = rq.key(it), rq.field(it, "block", int)
     if encoding in ("fp16", "bf16"):
         return lossy.widen(rq.array(req, it.get("array")), encoding,
@@ -230,6 +231,8 @@ async def _pull(replica: Replica, req: frame.Frame):
         items.append((key, blocks, have))
     short = await replica.before_read(consistency, wanted)
     out_meta, arrays, codecs = [], [], []
+    small, small_values = [], []  # full blocks to pack, for a client that takes them packed
+    packing = rq.field(req.meta, "packed", bool, False) and full_codec == "none"
     for key, blocks, have in items:
         current = replica.host.lookup(lambda s: s.read_blocks(key, blocks))
         for block, held, (version, value) in zip(blocks, have, current):
@@ -242,10 +245,15 @@ async def _pull(replica: Replica, req: frame.Frame):
                     entry["base"] = held
                     arrays.append(xor_delta(value, base))
                     codecs.append("shuffle-lz4")
+                elif packing and value.nbytes <= PACK_MAX_BYTES:
+                    del entry["array"]  # packed / at / shape instead, below
+                    small.append(entry)
+                    small_values.append(value)
                 else:
                     arrays.append(value)
                     codecs.append(full_codec)
             out_meta.append(entry)
+    codecs += ["none"] * pack(small, small_values, arrays)
     replica.stats.count_pull(sum(a.nbytes for a in arrays))
     return {"blocks": out_meta, **_short(short)}, arrays, codecs
 

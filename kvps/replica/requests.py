@@ -9,7 +9,7 @@ import numpy as np
 from kvps.delta import frame
 from kvps.errors import InvalidRequest
 
-__all__ = ["array", "blocks", "client_ids", "field", "items", "key"]
+__all__ = ["array", "blocks", "client_ids", "field", "items", "key", "packed"]
 
 
 def field(meta: dict, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
@@ -56,3 +56,20 @@ def client_ids(meta: dict) -> tuple[str, int, int]:
     if not client or len(client) > 128 or seq < 0 or floor < 0 or floor > seq:
         raise InvalidRequest("bad push id (client, seq, floor)")
     return client, seq, floor
+
+
+def packed(req: frame.Frame, it: dict) -> np.ndarray:
+    """The block an item names by ``packed`` (a 1-d array's index), ``at`` (element offset) and
+    ``shape`` (``kvps.delta.pack``): a read-only view of that array."""
+    arr = array(req, it.get("packed"))
+    at, shape = field(it, "at", int), field(it, "shape", list)
+    if arr.ndim != 1 or len(shape) > 8 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                   for d in shape):
+        raise InvalidRequest("a packed block names a 1-d array, an offset and a shape of up to 8 dims")
+    n = 1
+    for d in shape:
+        n *= d
+    if at < 0 or at + n > arr.size:
+        raise InvalidRequest(f"packed block [{at}, {at + n}) lies outside its array of {arr.size}")
+    return arr[at:at + n].reshape(shape)
+

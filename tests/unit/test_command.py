@@ -163,6 +163,50 @@ def test_create_keys_decode_rejects_junk(data):
         decode_command(data)
 
 
+def _packed_push(packed, arrays):
+    return _command_frame({"type": "push", "now": 1, "pushes": [["c", 1, 1, ["w"]]],
+                           "dense": [["w", 0, 1], ["w", 1, 1]], "rows": [], "packed": packed}, arrays)
+
+
+F32 = np.arange(4, dtype=np.float32)
+
+
+@pytest.mark.parametrize("data", [
+    _packed_push([[0, 0, [2]]], [F32]),                     # one reference for two entries
+    _packed_push([[0, 0, [2]], [0, 3, [2]]], [F32]),        # outside the pack
+    _packed_push([[0, 0, [2]], [1, 0, [2]]], [F32]),        # names a pack it does not carry
+    _packed_push([[0, 0, [2]], [0, 2, [-1]]], [F32]),       # negative dim
+    _packed_push([[0, 0, [2]], [0, True, [1]]], [F32]),     # a bool offset
+    _packed_push([[0, 0, [2]], [0, 2]], [F32]),             # short reference
+    _packed_push([[0, 0, [2]], None], [F32]),               # an own array it does not carry
+    _packed_push([[0, 0, [2]], [0, 2, [2]]], [F32, F32]),   # a pack nothing names
+    _packed_push("x", [F32]),
+    _packed_push([[0, 0, [2]], [0, 2, [2]]], [F32.reshape(2, 2)]),  # a pack must be 1-d
+])
+def test_packed_push_decode_rejects_junk(data):
+    with pytest.raises(InvalidRequest):
+        decode_command(data)
+
+
+def test_packed_and_unpacked_push_entries_decode_alike():
+    """Small gradients are packed when written; an entry written before (each its own array),
+    and one mixing both (a gradient past PACK_MAX_BYTES keeps its own array), decode to equal
+    commands, whose bytes are what is written now."""
+    from kvps.delta.pack import PACK_MAX_BYTES
+
+    big = np.arange(PACK_MAX_BYTES // 4 + 1, dtype=np.float32)
+    cmd = Push(1.0, (PushId("c", 1, 1, ("v", "w")),),
+               (DenseDelta("v", 0, big, 1), DenseDelta("w", 0, F32[:2], 1), DenseDelta("w", 1, np.float64([3]), 2),
+                DenseDelta("w", 2, F32[2:], 1)), (_row_delta(),))
+    old = _command_frame({"type": "push", "now": 1.0, "pushes": [["c", 1, 1, ["v", "w"]]],
+                          "dense": [["v", 0, 1], ["w", 0, 1], ["w", 1, 2], ["w", 2, 1]], "rows": ["e"]},
+                         [big, F32[:2], np.float64([3]), F32[2:], *(lambda r: [r.ids, r.grads, r.counts])(_row_delta())])
+    new = cmd.to_bytes()
+    assert new != old and len(frame.decode(new, max_raw_bytes=1 << 30).arrays) == 1 + 3 + 2  # big, rows, 2 packs
+    assert decode_command(old) == cmd == decode_command(new)
+    assert decode_command(new).to_bytes() == new
+
+
 def test_decode_survives_corruption():
     """Flipped and truncated bytes give CodecError or InvalidRequest, never anything else."""
     rng = random.Random(1234)
@@ -235,11 +279,21 @@ GOLDEN_PUSH_XXH3 = bytes.fromhex(
 )
 
 
+GOLDEN_PUSH_PACKED = bytes.fromhex(
+    "4b565046010301007400000004000000429fc7567b2264656e7365223a5b5b2277222c312c315d5d2c226e6f77223a32"
+    "2e352c227061636b6564223a5b5b302c302c5b325d5d5d2c22707573686573223a5b5b2263222c372c362c5b2265222c"
+    "2277225d5d5d2c22726f7773223a5b2265225d2c2274797065223a2270757368227d20202020202006000100b8402caa"
+    "10000000000000001000000000000000020000000000000001000200b7f4347108000000000000000800000000000000"
+    "0200000000000000010000000000000006000100ef6b4481100000000000000010000000000000000200000000000000"
+    "0100010046581fd5080000000000000008000000000000000200000000000000fdffffffffffffff0400000000000000"
+    "0000803f00000040010000000000000002000000000000000000003f000080bf")
+
+
 def test_golden_push_bytes():
-    """Entries journaled before FLAG_XXH3 (CRC-32 sums) decode to the same command; what we
-    write now is pinned byte for byte."""
+    """Entries journaled before FLAG_XXH3 (CRC-32 sums) and before small gradients were packed
+    decode to the same command; what we write now is pinned byte for byte."""
     cmd = Push(2.5, (PushId("c", 7, 6, ("e", "w")),), (DenseDelta("w", 1, np.float32([0.5, -1]), 1),),
                (RowDelta("e", np.int64([-3, 4]), np.float32([[1], [2]]), np.int64([1, 2])),))
     assert decode_command(GOLDEN_PUSH) == cmd
     assert decode_command(GOLDEN_PUSH_XXH3) == cmd
-    assert cmd.to_bytes() == GOLDEN_PUSH_XXH3
+    assert cmd.to_bytes() == GOLDEN_PUSH_PACKED
