@@ -10,6 +10,7 @@ import threading
 
 import pytest
 from conftest import wait_for
+from pysyncobj.monotonic import monotonic
 from test_raft_ticker import FAST, Nodes
 
 from kvps.config import RaftConfig
@@ -78,6 +79,31 @@ def test_heartbeats_stay_normal_while_the_group_is_busy(tmp_path):
         assert leader.status()["quiet"]["entered"] == 0
     finally:
         nodes.stop_all()
+
+
+def test_a_pre_vote_asked_while_the_leader_is_quiet_is_refused(nodes):
+    """A follower that asks for a pre-vote while its leader is quiet (as when its timer runs
+    out) is refused by the leader and by the other follower, which counts the leader as heard
+    for a quiet period beyond the election timeout, and it follows on: no election."""
+    nodes.start_all()
+    nodes.propose(0, b"first")
+    leader = nodes.leader(0)
+    term = leader.term()
+    wait_for(lambda: leader.status()["quiet"]["now"], 10, "the still leader to turn quiet")
+    asker, other = (g for g in nodes.groups.values() if g is not leader)
+    wait_for(lambda: asker.status()["quiet"]["heard"] >= 1 and other.status()["quiet"]["heard"] >= 1, 10,
+             "both followers to hear a quiet heartbeat")
+    won, refused = asker.status()["pre_votes"]["won"], other.status()["pre_votes"]["refused"]
+    node = next(n for (n, _), g in nodes.groups.items() if g is asker)
+    nodes.tickers[node].defer(lambda: asker._prevote.ask(monotonic()))
+    wait_for(lambda: other.status()["pre_votes"]["refused"] > refused
+             and leader.status()["pre_votes"]["refused"] >= 1, 10, "both refusals")
+    assert asker.status()["pre_votes"]["won"] == won
+    assert leader.is_leader() and leader.term() == term and asker.term() == term
+    nodes.propose(0, b"second")
+    wait_for(lambda: all(m.entries == [b"first", b"second"] for m in nodes.machines.values()), 10,
+             "every replica to apply the next entry in the same term")
+    assert leader.term() == term
 
 
 def test_a_paused_quiet_leader_is_replaced_and_steps_down_when_it_resumes(nodes):
