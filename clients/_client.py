@@ -4,7 +4,8 @@ Lifecycle: the constructor does no I/O; ``async with`` (or ``open()``) fetches t
 ``aclose()`` closes; a closed client cannot be reopened. This module is the public API: it
 turns keys, blocks and rows into per-shard requests. How a request reaches the shard's leader
 (hints, retries with back-off, one send) is ``_sender``; dense blocks and chunking ``_dense``;
-whole-model transfer ``_transfer``.
+whole-model transfer ``_transfer``. Past the house's ~450 lines on purpose: every public call
+in one class, each a few lines; what they share lives in the modules named here.
 
 Exactly-once pushes: every push request to a shard carries ``(client_id, seq, floor)``; retries
 reuse the same bytes, so a push whose reply was lost is answered from the shard's applied table
@@ -25,7 +26,7 @@ import numpy as np
 
 from kvps.command import MAX_BATCH_KEYS
 from kvps.delta import frame
-from kvps.delta.pack import PACK_MAX_BYTES, pack, unpack
+from kvps.delta.pack import PACK_MAX_BYTES, pack_into, unpack
 from kvps.delta.xor import apply_xor
 from kvps.errors import (
     CodecError, InvalidRequest, KvpsError, RejectedError, Unavailable, VersionNotIssued, error_from_dict,
@@ -36,7 +37,7 @@ from kvps.placement import DenseLayout, block_shard, layout_for
 
 from . import _table_rows, _transfer
 from ._convert import check_shape, to_host, to_numpy
-from ._dense import DenseCache, chunks, split_blocks
+from ._dense import DenseCache, chunks, create_keys_request, key_batches, split_blocks
 from ._hyper import set_hyperparams
 from ._lossy import LossyEncoder
 from ._rows import RowCache
@@ -52,31 +53,6 @@ CONSISTENCIES = ("leader", "linearizable", "follower")
 
 def _min_version(min_version: int | Mapping[str, int] | None, key: str) -> int:
     return int(min_version.get(key, 0) if isinstance(min_version, Mapping) else (min_version or 0))
-
-
-def _key_batches(items: list[tuple[dict, list]], limit: int) -> list[list[tuple[dict, list]]]:
-    """Consecutive batches of (definition, blocks) within ``limit`` bytes and ``MAX_BATCH_KEYS``
-    keys (at least one each), no key twice in one (a big key's blocks may span batches)."""
-    out: list[list] = [[]]
-    total, names = 0, set()
-    for definition, part in items:
-        n = sum(v.nbytes for _, v in part)
-        if out[-1] and (total + n > limit or len(out[-1]) >= MAX_BATCH_KEYS or definition["key"] in names):
-            out.append([])
-            total, names = 0, set()
-        out[-1].append((definition, part))
-        total += n
-        names.add(definition["key"])
-    return [b for b in out if b]
-
-
-def _create_keys_request(batch: list[tuple[dict, list]]) -> tuple[dict, list]:
-    """A ``create_keys`` request's meta and arrays: each key's blocks name their arrays."""
-    defs, arrays = [], []
-    for definition, part in batch:
-        defs.append({**definition, "blocks": [{"block": b, "array": len(arrays) + i} for i, (b, _) in enumerate(part)]})
-        arrays += [v for _, v in part]
-    return {"keys": defs}, arrays
 
 
 class Client:
@@ -237,9 +213,9 @@ class Client:
             for shard, blocks in self._split_blocks(key, layout, arr).items():
                 for part in chunks(blocks, self.cluster_map.max_push_bytes, lambda b: b[1].nbytes):
                     per_shard.setdefault(shard, []).append((definition, part))
-        calls = [self.call(shard, "create_keys", *_create_keys_request(batch))
+        calls = [self.call(shard, "create_keys", *create_keys_request(batch))
                  for shard, items in per_shard.items()
-                 for batch in _key_batches(items, self.cluster_map.max_push_bytes)]
+                 for batch in key_batches(items, self.cluster_map.max_push_bytes)]
         resps = await self.sender.fan_out(calls)
         for key in values:
             self._infos.pop(key, None)
@@ -345,7 +321,7 @@ class Client:
                     if len(parts) == 2:  # top-k: values, then their flat indices
                         entries[-1]["idx"] = len(arrays) + 1
                     arrays += parts
-                pack(small, small_values, arrays)
+                pack_into(small, small_values, arrays)
                 requests.append((shard, {"dense": entries}, arrays))
         if self._lossy is None:
             return await self._push_requests(requests)

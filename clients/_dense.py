@@ -1,5 +1,6 @@
 """Dense keys on the client: splitting a value into its blocks per shard, chunking requests under
-the cluster's size limit, and the blocks a client holds for incremental pulls."""
+the cluster's size limit (and many keys' creates into ``create_keys`` batches), and the blocks a
+client holds for incremental pulls."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -7,9 +8,10 @@ from typing import Any
 
 import numpy as np
 
+from kvps.command import MAX_BATCH_KEYS
 from kvps.placement import DenseLayout, block_shard
 
-__all__ = ["DenseCache", "chunks", "split_blocks"]
+__all__ = ["DenseCache", "chunks", "create_keys_request", "key_batches", "split_blocks"]
 
 
 class DenseCache:
@@ -51,3 +53,28 @@ def chunks(items: list, limit: int, size: Callable[[Any], int]) -> list[list]:
         out[-1].append(item)
         total += n
     return [c for c in out if c]
+
+
+def key_batches(items: list[tuple[dict, list]], limit: int) -> list[list[tuple[dict, list]]]:
+    """Consecutive batches of (definition, blocks) within ``limit`` bytes and ``MAX_BATCH_KEYS``
+    keys (at least one each), no key twice in one (a big key's blocks may span batches)."""
+    out: list[list] = [[]]
+    total, names = 0, set()
+    for definition, part in items:
+        n = sum(v.nbytes for _, v in part)
+        if out[-1] and (total + n > limit or len(out[-1]) >= MAX_BATCH_KEYS or definition["key"] in names):
+            out.append([])
+            total, names = 0, set()
+        out[-1].append((definition, part))
+        total += n
+        names.add(definition["key"])
+    return [b for b in out if b]
+
+
+def create_keys_request(batch: list[tuple[dict, list]]) -> tuple[dict, list]:
+    """A ``create_keys`` request's meta and arrays: each key's blocks name their arrays."""
+    defs, arrays = [], []
+    for definition, part in batch:
+        defs.append({**definition, "blocks": [{"block": b, "array": len(arrays) + i} for i, (b, _) in enumerate(part)]})
+        arrays += [v for _, v in part]
+    return {"keys": defs}, arrays

@@ -22,6 +22,7 @@ from typing import Any, Union
 import numpy as np
 
 from kvps.delta import frame
+from kvps.delta import pack
 from kvps.delta.pack import PACK_MAX_BYTES
 from kvps import fields as F
 from kvps.errors import InvalidRequest
@@ -303,7 +304,10 @@ class Push(_Base):
                 "dense": [[d.key, d.block, d.count] for d in self.dense],
                 "rows": [r.key for r in self.rows]}
         if len(arrays) < len(self.dense) + 3 * len(self.rows):  # some were small
-            meta["packed"], packs = _pack_grads(self.dense)
+            small = [d.grad for d in self.dense if d.grad.nbytes <= PACK_MAX_BYTES]
+            refs, packs = pack.pack(small)
+            it = iter(refs)
+            meta["packed"] = [None if d.grad.nbytes > PACK_MAX_BYTES else next(it) for d in self.dense]
             arrays += packs
         return frame.encode_parts(frame.KIND_COMMAND, meta, arrays)
 
@@ -477,41 +481,6 @@ def _raise_bad_push_id():
     raise InvalidRequest("malformed push id in command")
 
 
-def _pack_grads(dense: tuple[DenseDelta, ...]) -> tuple[list, list[np.ndarray]]:
-    """``Push.to_parts``'s packing: per dense entry ``[pack, at, shape]`` or None, and the packs
-    (one 1-d array per dtype, in the order the dtypes first appear)."""
-    refs: list = []
-    packs: dict[np.dtype, list[np.ndarray]] = {}
-    sizes: dict[np.dtype, int] = {}
-    for d in dense:
-        g = d.grad
-        if g.nbytes > PACK_MAX_BYTES:
-            refs.append(None)
-            continue
-        if g.dtype not in packs:
-            packs[g.dtype], sizes[g.dtype] = [], 0
-        refs.append([list(packs).index(g.dtype), sizes[g.dtype], list(g.shape)])
-        packs[g.dtype].append(g.reshape(-1))
-        sizes[g.dtype] += g.size
-    return refs, [np.concatenate(parts) for parts in packs.values()]
-
-
-def _unpack_grad(packs: list[np.ndarray], ref: Any, used: set[int]) -> np.ndarray:
-    if not (isinstance(ref, list) and len(ref) == 3 and isinstance(ref[2], list)):
-        raise InvalidRequest("malformed packed gradient reference")
-    p, start, shape = ref
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (p, start, *shape)) \
-            or len(shape) > 8 or p >= len(packs) or packs[p].ndim != 1:
-        raise InvalidRequest("malformed packed gradient reference")
-    n = 1
-    for dim in shape:
-        n *= dim
-    if start + n > packs[p].size:
-        raise InvalidRequest("packed gradient lies outside its array")
-    used.add(p)
-    return packs[p][start:start + n].reshape(shape)
-
-
 def _decode_push(m: dict, arrays: tuple) -> Push:
     at = [0]
     pushes = tuple(PushId(p[0], p[1], p[2], tuple(p[3]), *p[4:5]) if isinstance(p, list) and 4 <= len(p) <= 5
@@ -525,10 +494,12 @@ def _decode_push(m: dict, arrays: tuple) -> Push:
         grads = _take(arrays, sum(r is None for r in refs), at)
     rows = tuple(RowDelta(k, *_take(arrays, 3, at)) for k in m["rows"])
     if refs is not None:
-        packs, used = list(arrays[at[0]:]), set()
-        own = iter(grads)
-        grads = [next(own) if r is None else _unpack_grad(packs, r, used) for r in refs]
-        if len(used) != len(packs):
+        packs, own = arrays[at[0]:], iter(grads)
+        try:
+            grads = [next(own) if r is None else pack.view(packs, r) for r in refs]
+        except ValueError as exc:
+            raise InvalidRequest(f"malformed packed gradient: {exc}") from None
+        if {r[0] for r in refs if r is not None} != set(range(len(packs))):
             raise InvalidRequest("command carries unnamed arrays")
         at[0] = len(arrays)
     dense = tuple(DenseDelta(k, b, g, c) for (k, b, c), g in zip(m["dense"], grads))

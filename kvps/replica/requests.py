@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from kvps.delta import frame
+from kvps.delta import frame, pack
 from kvps.errors import InvalidRequest
 
 __all__ = ["array", "blocks", "client_ids", "field", "items", "key", "packed"]
@@ -45,9 +45,10 @@ def items(meta: dict, name: str) -> list[dict]:
     return items
 
 
-def blocks(req: frame.Frame) -> tuple[tuple[int, np.ndarray], ...]:
+def blocks(req: frame.Frame, meta: dict | None = None) -> tuple[tuple[int, np.ndarray], ...]:
+    """``(block, array)`` pairs of ``meta["blocks"]`` (the request's meta, or one item of it)."""
     return tuple((field(it, "block", int), array(req, it.get("array")))
-                 for it in items(req.meta, "blocks"))
+                 for it in items(req.meta if meta is None else meta, "blocks"))
 
 
 def client_ids(meta: dict) -> tuple[str, int, int]:
@@ -59,17 +60,9 @@ def client_ids(meta: dict) -> tuple[str, int, int]:
 
 
 def packed(req: frame.Frame, it: dict) -> np.ndarray:
-    """The block an item names by ``packed`` (a 1-d array's index), ``at`` (element offset) and
-    ``shape`` (``kvps.delta.pack``): a read-only view of that array."""
-    arr = array(req, it.get("packed"))
-    at, shape = field(it, "at", int), field(it, "shape", list)
-    if arr.ndim != 1 or len(shape) > 8 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                   for d in shape):
-        raise InvalidRequest("a packed block names a 1-d array, an offset and a shape of up to 8 dims")
-    n = 1
-    for d in shape:
-        n *= d
-    if at < 0 or at + n > arr.size:
-        raise InvalidRequest(f"packed block [{at}, {at + n}) lies outside its array of {arr.size}")
-    return arr[at:at + n].reshape(shape)
-
+    """The block an item names by ``packed`` (an array's index), ``at`` and ``shape``
+    (``kvps.delta.pack``): a read-only view of that array."""
+    try:
+        return pack.view(req.arrays, [it.get("packed"), it.get("at"), it.get("shape")])
+    except ValueError as exc:
+        raise InvalidRequest(f"bad packed block: {exc}") from None

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvps.delta import frame
-from kvps.delta.pack import pack, unpack
+from kvps.delta.pack import pack_into, unpack
 from kvps.errors import CodecError, InvalidRequest
 from kvps.replica import requests as rq
 
@@ -17,7 +17,7 @@ VALUES = [np.arange(6, dtype=np.float32).reshape(2, 3), np.array(2.5, np.float64
 def _packed_frame():
     entries = [{"key": f"k{i}", "block": 0} for i in range(len(VALUES))]
     arrays = [np.ones(2, np.float32)]  # an unpacked array before them keeps indexes honest
-    assert pack(entries, VALUES, arrays) == 3  # float32, float64, float16
+    assert pack_into(entries, VALUES, arrays) == 3  # float32, float64, float16
     data = frame.encode(frame.KIND_REQUEST, {"dense": entries}, arrays)
     return entries, frame.decode(data, max_raw_bytes=1 << 20, kinds=(frame.KIND_REQUEST,))
 
