@@ -287,9 +287,10 @@ class Push(_Base):
     def to_bytes(self) -> bytes:
         return b"".join(self.to_parts())
 
-    def to_parts(self) -> list[bytes | memoryview]:
+    def to_parts(self, at: int = 0) -> list[bytes | memoryview]:
         """``to_bytes()`` as buffers to join (gradients as zero-copy views): the proposer joins
-        them with its own prefix, one copy instead of two.
+        them with its own prefix, one copy instead of two; ``at``: that prefix's length (the
+        gradients are then aligned in the entry: ``frame.encode_parts``).
 
         Gradients up to ``PACK_MAX_BYTES`` are packed (``kvps.delta.pack``): one array per dtype
         after the rest, ``"packed"`` naming ``[pack, at, shape]`` per dense entry (null: an
@@ -309,7 +310,7 @@ class Push(_Base):
             it = iter(refs)
             meta["packed"] = [None if d.grad.nbytes > PACK_MAX_BYTES else next(it) for d in self.dense]
             arrays += packs
-        return frame.encode_parts(frame.KIND_COMMAND, meta, arrays)
+        return frame.encode_parts(frame.KIND_COMMAND, meta, arrays, at=at)
 
 
 @dataclass(frozen=True, eq=False)

@@ -140,7 +140,7 @@ def _normalize(item) -> tuple[int, np.ndarray]:
     return code, np.asarray(arr, dtype=_DTYPES[code], order="C")
 
 
-def _meta_bytes(meta: dict, head_len: int) -> bytes:
+def _meta_bytes(meta: dict, head_len: int, at: int = 0) -> bytes:
     if not isinstance(meta, dict):
         raise CodecError(f"meta must be a dict, got {type(meta).__name__}")
     try:
@@ -148,16 +148,21 @@ def _meta_bytes(meta: dict, head_len: int) -> bytes:
     except (TypeError, ValueError, RecursionError) as exc:
         raise CodecError(f"meta is not JSON-serialisable: {exc}") from exc
     raw = text.encode("utf-8")
-    raw += b" " * (-(_HEADER.size + len(raw) + head_len) % _PAYLOAD_ALIGN)
+    raw += b" " * (-(at + _HEADER.size + len(raw) + head_len) % _PAYLOAD_ALIGN)
     if len(raw) > MAX_META_BYTES:
         raise CodecError(f"meta is {len(raw)} bytes, cap {MAX_META_BYTES}")
     return raw
 
 
 def encode_parts(
-    kind: int, meta: dict, arrays: Sequence = (), *, codec: str | Sequence[str] = "none"
+    kind: int, meta: dict, arrays: Sequence = (), *, codec: str | Sequence[str] = "none", at: int = 0
 ) -> list[bytes | memoryview]:
     """The frame as a list of buffers; ``b"".join`` of them is :func:`encode`'s output.
+
+    ``at``: the offset the frame will start at in the buffer that holds it (a Raft entry puts a
+    2-byte prefix before its command): the payload is aligned in that buffer, so the arrays
+    decode there as zero-copy views. Misaligned, every array is copied on decode (a Push entry's
+    gradients, on every replica, into fresh memory).
 
     ``codec`` is one codec for every array, or one per array (a delta compresses, a weight
     block does not: compression is applied only where it pays).
@@ -185,7 +190,7 @@ def encode_parts(
         descr.extend(_DIM.pack(d) for d in arr.shape)
         wires.append(wire)
     descr_bytes = b"".join(descr)
-    meta_raw = _meta_bytes(meta, len(descr_bytes))
+    meta_raw = _meta_bytes(meta, len(descr_bytes), at)
     header_sum = _xxh3_32(meta_raw + descr_bytes)  # both small: the arrays are not in it
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, kind, FLAG_XXH3, len(meta_raw), len(wires), header_sum)
     return [header + meta_raw + descr_bytes, *wires]

@@ -80,14 +80,17 @@ from kvps.raft.ticker import GroupHalted, Ticker
 from kvps.raft.transport import make_transport_class
 
 # background_priority lives in kvps.raft.threads; kvps.replica imports it from here.
-__all__ = ["COMMAND_TOO_LARGE", "GROUP_STOPPED", "ShardGroup", "background_priority",
-           "syncobj_options"]
+__all__ = ["COMMAND_TOO_LARGE", "ENTRY_OFFSET", "GROUP_STOPPED", "ShardGroup",
+           "background_priority", "syncobj_options"]
 
 logger = logging.getLogger("kvps.raft")
 
 # A REGULAR entry whose next byte is 0xFF holds our command bytes as they are: no pickle stream
 # starts with 0xFF (protocol 2+ streams start with PROTO, 0x80), so older entries stay apart.
 _ENTRY_PREFIX = bytes((internals.REGULAR_COMMAND, 0xFF))
+# Where a proposed command starts in its entry: a frame encoded for it (``at=ENTRY_OFFSET``) has
+# its arrays aligned in the entry, so applying it reads them in place (kvps.delta.frame).
+ENTRY_OFFSET = len(_ENTRY_PREFIX)
 
 # Our own failure codes, next to pysyncobj's FAIL_REASON values (0..7); bridge.py maps them.
 COMMAND_TOO_LARGE = 100  # refused before proposing: len(data) > raft.max_command_bytes

@@ -24,6 +24,7 @@ from typing import Any
 from kvps.config import ServerConfig
 from kvps.errors import InvalidRequest, KvpsError, Overloaded, Unavailable
 from kvps.merge import PushRequest, merge, request_bytes
+from kvps.raft.group import ENTRY_OFFSET
 
 __all__ = ["PushBatcher"]
 
@@ -177,7 +178,7 @@ class PushBatcher:
         try:
             modes = {k: m for req in reqs for k, m in self._modes.get((req.client, req.seq), {}).items()}
             cmd = merge(reqs, modes, now=self._clock())
-            parts = cmd.to_parts()  # joined once, behind the Raft entry's prefix
+            parts = cmd.to_parts(at=ENTRY_OFFSET)  # joined once, behind the Raft entry's prefix
             if self._on_batch is not None:
                 self._on_batch(len(reqs), sum(len(p) for p in parts))
             result = await self._propose(parts)

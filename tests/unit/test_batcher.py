@@ -11,6 +11,7 @@ from kvps.command import decode_command
 from kvps.config import ServerConfig
 from kvps.errors import NoQuorum, Overloaded
 from kvps.merge import PushRequest
+from kvps.raft.group import ENTRY_OFFSET
 
 
 class FakeRaft:
@@ -19,9 +20,14 @@ class FakeRaft:
     def __init__(self):
         self.proposed: list = []
         self.gates: list[asyncio.Future] = []
+        self.copied = 0  # entries whose gradients decoded as copies, not views of the entry
 
     async def propose(self, data):
-        cmd = decode_command(b"".join(data) if isinstance(data, list) else data)  # parts or bytes
+        # as ShardGroup.propose: one bytes object, the command behind the entry's prefix
+        entry = bytes(ENTRY_OFFSET) + (b"".join(data) if isinstance(data, list) else data)
+        cmd = decode_command(memoryview(entry)[ENTRY_OFFSET:])
+        whole = np.frombuffer(entry, np.uint8)
+        self.copied += not all(np.shares_memory(d.grad, whole) for d in cmd.dense)
         self.proposed.append(cmd)
         gate = asyncio.get_running_loop().create_future()
         self.gates.append(gate)
@@ -48,6 +54,25 @@ async def until(predicate, timeout: float = 2.0):
 def make(raft: FakeRaft, **cfg) -> PushBatcher:
     cfg.setdefault("merge_window", 0.0)
     return PushBatcher(raft.propose, ServerConfig(**cfg), clock=lambda: 1000.0)
+
+
+def test_entries_are_encoded_for_their_place_behind_the_raft_prefix():
+    """Every replica applies an entry's gradients in place (``Push.to_parts(at=ENTRY_OFFSET)``);
+    encoded for offset 0 they were misaligned by the 2-byte prefix and copied on every apply."""
+    async def main():
+        raft = FakeRaft()
+        b = make(raft)
+        pushes = [asyncio.create_task(b.submit(push(c, 1))) for c in "abc"]
+        released = 0
+        while not all(p.done() for p in pushes):
+            await until(lambda: len(raft.gates) > released or all(p.done() for p in pushes))
+            if len(raft.gates) > released:
+                raft.release(released)
+                released += 1
+        await asyncio.gather(*pushes)
+        assert raft.proposed and raft.copied == 0
+
+    asyncio.run(main())
 
 
 def test_pushes_to_a_block_in_flight_wait_and_merge_even_with_a_free_slot():
