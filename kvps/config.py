@@ -26,14 +26,19 @@ FSYNC_POLICIES = ("never", "interval", "always")
 
 @dataclass(frozen=True)
 class RaftConfig:
-    # Election timeout range (s). pysyncobj's defaults (0.4-1.4 s) gave ~0.5 s failover here; a
-    # narrower range keeps kill -> next commit well under a second without elections under load.
-    election_timeout_min: float = 0.4
-    election_timeout_max: float = 0.8
+    # Election timeout range (s): how long followers wait for a silent leader before they stand.
+    # A leader whose process dies is replaced without waiting for it (fast_failover, ~0.3 s); this
+    # is for partitioned and hung leaders. It must outlast the stalls of a loaded machine: with
+    # 0.4-0.8 s, B1 on 2 cores held a node's Raft thread 0.4-0.6 s now and then (one tick applying
+    # megabytes for each of its replicas in turn), and 2 of 3 full runs had 6 elections and up to
+    # 16 client retries with no fault injected. etcd's default is 1 s, randomised up to 2x.
+    election_timeout_min: float = 1.0
+    election_timeout_max: float = 2.0
     # Heartbeat / append period (s). Must be < election_timeout_min / 3 (pysyncobj asserts it).
     heartbeat_period: float = 0.05
     # A leader that has not heard from a majority for this long steps down. pysyncobj's default is
-    # 30 s, which lets a partitioned leader serve stale reads for 30 s: keep it near the election timeout.
+    # 30 s, which lets a partitioned leader serve stale reads for 30 s: keep it near the election
+    # timeout, and below its minimum, so a cut-off leader has stepped down before a new one can win.
     leader_fallback_timeout: float = 0.8
     # A peer connection with no traffic for this long is dropped (>= election_timeout_max); one
     # with nothing to send for a quarter of it sends a keepalive.

@@ -66,7 +66,9 @@ NODE = {"type": "object", "required": ["node", "admin_url", "replicas"],
                        "tickers": {"type": "array", "items": {"type": "object", "properties": {
                            "groups": _int, "rounds": _int, "ticks": _int,
                            "stalls": {"type": "object", "properties": {
-                               "max_seconds": {"type": "number"}, "over_100ms": _int}}}}}}}
+                               "max_seconds": {"type": "number"}, "over_100ms": _int,
+                               "tick_max_seconds": {"type": "number"},
+                               "late_max_seconds": {"type": "number"}}}}}}}}
 SHARD_DETAIL = {
     "allOf": [SHARD_VIEW, {
         "type": "object",

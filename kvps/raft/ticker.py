@@ -98,7 +98,10 @@ class Ticker:
         self._epoll.register(self._wake_r, select.EPOLLIN)
         self.rounds = 0  # wake-ups of the thread
         self.ticks = 0  # group ticks
-        self.stalls = {"max_seconds": 0.0, "over_100ms": 0}  # rounds that took long
+        # rounds that took long; the longest single tick of a group; the most a group's tick
+        # started after it was due (a leader's heartbeats wait that long)
+        self.stalls = {"max_seconds": 0.0, "over_100ms": 0, "tick_max_seconds": 0.0,
+                       "late_max_seconds": 0.0}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -228,17 +231,27 @@ class Ticker:
                 # before anything else, and a heartbeat left unread in the socket would let a
                 # busy round look like a silent leader.
                 self._poll(0.0)
-            self.ticks += 1
-            self._next[id(group)] = time.monotonic() + self.period  # also if what follows raises
-            try:
-                internals.tick(group)
-                hint = getattr(group, "next_tick", None)
-                if hint is not None:
-                    self._next[id(group)] = time.monotonic() + max(self.period, hint(self.period))
-            except GroupHalted as exc:
-                self._halt(group, exc.reason)
-            except Exception:  # as pysyncobj's own tick thread: log it and go on
-                logger.exception("raft ticker: a group's tick failed")
+            self._tick_one(group)
+
+    def _tick_one(self, group: Any) -> None:
+        started = time.monotonic()
+        self.ticks += 1
+        late = started - self._next.get(id(group), started)
+        if late > self.stalls["late_max_seconds"]:
+            self.stalls["late_max_seconds"] = round(late, 3)
+        self._next[id(group)] = started + self.period  # also if what follows raises
+        try:
+            internals.tick(group)
+            hint = getattr(group, "next_tick", None)
+            if hint is not None:
+                self._next[id(group)] = time.monotonic() + max(self.period, hint(self.period))
+        except GroupHalted as exc:
+            self._halt(group, exc.reason)
+        except Exception:  # as pysyncobj's own tick thread: log it and go on
+            logger.exception("raft ticker: a group's tick failed")
+        spent = time.monotonic() - started
+        if spent > self.stalls["tick_max_seconds"]:
+            self.stalls["tick_max_seconds"] = round(spent, 3)
 
     def _halt(self, group: Any, reason: str) -> None:
         on_halted = self._halted.get(id(group))

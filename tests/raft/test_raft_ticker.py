@@ -232,3 +232,33 @@ def test_a_group_that_asks_for_fewer_ticks_gets_fewer_and_the_thread_sleeps_mean
         assert ticker.rounds - rounds <= 10, (ticker.rounds - rounds, slow.ticks - ticks)
     finally:
         ticker.stop()
+
+
+class _Heavy(_Counted):
+    """... whose every tick works for ``seconds`` (applying large entries, on a loaded machine)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def _onTick(self, timeToWait: float = 0.0) -> None:  # noqa: N802,N803
+        super()._onTick(timeToWait)
+        end = time.monotonic() + self.seconds
+        while time.monotonic() < end:  # CPU work, as an apply is
+            pass
+
+
+def test_the_longest_tick_and_the_latest_start_are_reported():
+    """What makes a leader's heartbeats late on a busy node (a sibling's tick applying megabytes)
+    shows in ``status()["stalls"]``: a group kept waiting by a 0.12 s sibling starts its tick
+    at least 0.05 s after it was due."""
+    ticker = Ticker(period=0.05, name="ticker-stalls")
+    heavy, light = _Heavy(0.12), _Counted()
+    try:
+        ticker.call(lambda: (ticker.add(heavy, ticker.poller()), ticker.add(light, ticker.poller())))
+        wait_for(lambda: heavy.ticks >= 4 and light.ticks >= 4, 30, "four ticks of each group")
+        stalls = ticker.call(ticker.status)["stalls"]
+        assert stalls["tick_max_seconds"] >= 0.12, stalls
+        assert stalls["late_max_seconds"] >= 0.05, stalls
+    finally:
+        ticker.stop()
