@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pysyncobj.syncobj
 import pytest
+import xxhash
 from conftest import wait_for
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -341,6 +342,49 @@ def test_a_recycled_segment_never_returns_its_old_records(tmp_path):
     assert entries(open_journal(crashed_copy(tmp_path, "crash"))) == new  # as after kill -9
     j._destroy()
     assert entries(open_journal(path)) == new
+
+
+def _header(state: int, epoch: int) -> bytes:
+    fields = SEG_HEADER.pack(SEG_MAGIC, 1, state, epoch, 0)[:-8]
+    return fields + struct.pack("<Q", xxhash.xxh3_64_intdigest(fields))
+
+
+@pytest.mark.parametrize("step", ["take", "free"])
+def test_a_crash_mid_recycle_at_every_byte_of_the_header_keeps_the_log(tmp_path, caplog, step):
+    """Recycling rewrites one segment header: ``take`` (a free segment gets a new epoch and
+    becomes live, before its first record) and ``free`` (a retired segment, all of its entries
+    below the snapshot, is marked free). A crash leaves that header written up to any byte.
+    Every such state opens to the same log, reports no damage, and takes appends that survive
+    the next open: a torn header fails its checksum and reads as free, and a new epoch with no
+    record of its own holds nothing (the old records fail its checksum)."""
+    path = tmp_path / "raft.journal"
+    j = open_journal(path)
+    fill(j, 40, size=1000)  # several 16 KiB segments
+    covered = 25
+    j.deleteEntriesTo(covered)  # a compaction: the segments below entry 26 retire
+    j._settle()
+    kept = entries(j)
+    if step == "take":
+        seg = j._free[-1]  # the one the next _take pops
+        new = _header(segments.LIVE, j._epoch + 1)
+    else:  # a snapshot past the first live segment: the crash came while marking it free
+        seg = j._live[0]
+        kept = [e for e in kept if e[1] > seg.last]
+        new = _header(segments.FREE, seg.epoch)
+    first_index = kept[0][1]
+    before = seg.path.read_bytes()[:SEG_HEADER.size]
+    j._destroy()
+    caplog.set_level(logging.INFO, logger="kvps.raft")
+    for cut in range(SEG_HEADER.size + 1):
+        crashed = crashed_copy(tmp_path, f"cut-{cut}")
+        with open(crashed.with_name(seg.path.name), "r+b") as f:
+            f.write(new[:cut] + before[cut:])
+        damage: list[str] = []
+        j2 = open_journal(crashed, first_index=first_index, on_damage=damage.append)
+        assert entries(j2) == kept and not damage, (cut, step)
+        more = fill(j2, 8, first=kept[-1][1] + 1, size=1000)  # across a segment end: takes one
+        j2._destroy()
+        assert entries(open_journal(crashed, first_index=first_index)) == kept + more, (cut, step)
 
 
 def test_a_stale_tmp_file_is_removed_at_open(tmp_path):
