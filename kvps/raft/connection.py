@@ -9,8 +9,9 @@ frames are capped at 1 KiB, later ones at ``max_frame_bytes``, checked on the le
 before any buffer is allocated.
 
 I/O runs on pysyncobj's poller in its tick thread, on non-blocking sockets: small frames are
-parsed out of one reusable 256 KiB staging buffer; a frame larger than that gets one
-preallocated array filled with ``recv_into``; outgoing frames wait in a deque of memoryviews sent
+parsed out of one reusable 256 KiB staging buffer (and the entries in them copied out: the
+buffer is reused); a frame larger than that gets one preallocated array filled with
+``recv_into``, never reused, whose entries stay views of it; outgoing frames wait in a deque of memoryviews sent
 with ``sendmsg`` (no re-slicing copies); at most 16 MiB are read per poll event so the tick thread
 keeps heart-beating while a peer streams a large backlog.
 
@@ -331,7 +332,7 @@ class PeerConnection:
                 self._bigFilled += n
                 if self._bigFilled == len(self._big):
                     frame, self._big, self._bigView = self._big, None, None
-                    self._deliver(memoryview(frame))
+                    self._deliver(memoryview(frame), owned=True)  # never reused: kept as is
                 continue
             if len(self._stagingBuf) - self._end < _COMPACT_BELOW and self._start > 0:
                 pending = self._end - self._start
@@ -395,7 +396,10 @@ class PeerConnection:
         if gen == self._gen and self._start == self._end:
             self._start = self._end = 0
 
-    def _deliver(self, frame: memoryview) -> None:
+    def _deliver(self, frame: memoryview, owned: bool = False) -> None:
+        """Hand one frame's message on; ``owned``: the frame has a buffer of its own (a large
+        frame), so the entries in it may stay views of it (``wire.decode_message``); a frame
+        in the reused staging buffer is copied out."""
         if not self._handshake.authenticated:
             self._onHandshakeFrame(bytes(frame))
             return
@@ -405,7 +409,7 @@ class PeerConnection:
         stats.frames_received += 1
         stats.bytes_received += len(frame)
         try:
-            message = decode_message(frame)
+            message = decode_message(frame, owned=owned)
         except Exception as exc:  # noqa: BLE001 - any malformed or hostile pickle: log, drop the peer
             self._reject(f"undecodable frame of {len(frame)} bytes ({type(exc).__name__}: {exc})")
             return

@@ -242,11 +242,22 @@ class ShardGroup(SyncObj):
         """Entries pickled by an older kvps; new ones arrive through ``_SyncObj__doApplyCommand``."""
         return self._apply_entry(data)
 
-    def _SyncObj__doApplyCommand(self, command: bytes) -> Any:  # noqa: N802 (pysyncobj's name)
-        """pysyncobj's ``__doApplyCommand`` for our entries (see the module docstring)."""
+    def _SyncObj__doApplyCommand(self, command: Any) -> Any:  # noqa: N802 (pysyncobj's name)
+        """pysyncobj's ``__doApplyCommand`` for our entries (see the module docstring). A large
+        entry a follower received is a read-only view of its frame (``kvps.raft.wire``), not
+        ``bytes``: pysyncobj's own code (``ord(command[:1])``) gets a copy of any such entry
+        that is not ours (none is, but an older kvps's pickled ones)."""
         if command[:2] == _ENTRY_PREFIX:
             return self._apply_entry(memoryview(command)[2:])
-        return internals.stock_do_apply_command(self, command)
+        return internals.stock_do_apply_command(self, bytes(command))
+
+    def _SyncObj__parseChangeClusterRequest(self, command: Any) -> Any:  # noqa: N802
+        """pysyncobj reads every appended entry's type with ``ord(command[:1])``, which a view
+        (a large entry as a follower received it) does not take; membership commands are small,
+        always ``bytes``, so a view is never one."""
+        if type(command) is not bytes:
+            return None
+        return internals.stock_parse_change_cluster_request(self, command)
 
     # -- recovery of lost state (kvps.raft.recovery) ------------------------------------------
 

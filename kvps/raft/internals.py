@@ -39,6 +39,8 @@ pysyncobj name                     used by                            accessor h
                                    and compactions wait for them      ``transmissions_in_flight``
 ``SyncObj.__doApplyCommand``       ShardGroup overrides it            ``stock_do_apply_command``
 ``SyncObj.__onMessageReceived``    ShardGroup overrides it            ``stock_on_message_received``
+``SyncObj.__parseChangeClusterRequest`` ShardGroup overrides it (views ``stock_parse_change_cluster_request``
+                                   of received entries)
 ``SyncObj.__generateRaftTimeout``  ShardGroup overrides it            ``stock_generate_raft_timeout``
 ``SyncObj._onTick``                ShardGroup overrides it (prevote)  ``SYNCOBJ_OVERRIDES``
                                    ticker: one tick of one group      ``tick``
@@ -118,6 +120,7 @@ __all__ = [
     "stock_do_apply_command",
     "stock_generate_raft_timeout",
     "stock_on_message_received",
+    "stock_parse_change_cluster_request",
     "sync_obj",
     "term",
     "tick",
@@ -137,7 +140,8 @@ SYNCOBJ_ATTRIBUTES = ("_SyncObj__newAppendEntriesTime", "_SyncObj__raftCommitInd
 SYNCOBJ_METHODS = ("_SyncObj__getCurrentLogIndex", "_SyncObj__getEntries", "_applyCommand",
                    "_doDestroy", "_getLeader", "_getRaftLogSize", "_getTerm", "_isLeader")
 SYNCOBJ_OVERRIDES = ("_SyncObj__doApplyCommand", "_SyncObj__generateRaftTimeout",
-                     "_SyncObj__onMessageReceived", "_onTick")  # defined on ShardGroup
+                     "_SyncObj__onMessageReceived", "_SyncObj__parseChangeClusterRequest",
+                     "_onTick")  # defined on ShardGroup
 TRANSPORT_ATTRIBUTES = ("_connections", "_nodeAddrToNode", "_nodes", "_ready", "_selfNode",
                         "_server", "_syncObj", "_unknownConnections")
 TRANSPORT_METHODS = ("_connToNode", "_onNewIncomingConnection", "_onOutgoingConnected")
@@ -270,6 +274,10 @@ def transmissions_in_flight(group: SyncObj) -> int:
 
 def stock_do_apply_command(group: SyncObj, command: bytes) -> Any:
     return SyncObj._SyncObj__doApplyCommand(group, command)
+
+
+def stock_parse_change_cluster_request(group: SyncObj, command: bytes) -> Any:
+    return SyncObj._SyncObj__parseChangeClusterRequest(group, command)
 
 
 def stock_on_message_received(group: SyncObj, node: Any, message: Any) -> None:

@@ -20,15 +20,18 @@ network (or under WireGuard/TLS) if that is in your threat model.
 
 After the handshake a body is one pysyncobj message: ``<IH`` pickle length and number of
 out-of-band buffers, one ``<I`` length per buffer, the pickle, the buffers (which the receiver
-passes to the Unpickler as ``buffers=``, as ``bytes``). The pickle is protocol 5, never zlib (our
+passes to the Unpickler as ``buffers=``: read-only views of the frame when the frame has a buffer
+of its own, which nothing else ever reuses; ``bytes`` copies when it was parsed out of the
+connection's reused staging buffer). The pickle is protocol 5, never zlib (our
 payloads are already compressed or incompressible), and is read back with an ``Unpickler`` that
 refuses every global: pysyncobj's peer messages are dicts, lists and tuples of
 str/bytes/int/float/bool/None. (Membership commands pickle a ``TCPNode`` *inside* the command
 bytes; those are unpickled by pysyncobj only when the entry is applied from the log, which only
 authenticated peers can write.) Bytes values of 16 KiB or more (log entries, snapshot chunks)
 travel as protocol-5 out-of-band buffers, so the leader never copies an entry to send it: the
-connection gathers the small pickle and the entries' own bytes objects with ``sendmsg``. A
-zero-length body is a keepalive.
+connection gathers the small pickle and the entries' own bytes objects with ``sendmsg``; and a
+follower keeps the entries of a large frame as views of it instead of copying each one out (a
+replica that becomes leader sends such views out of band too). A zero-length body is a keepalive.
 """
 from __future__ import annotations
 
@@ -97,6 +100,8 @@ def _out_of_band(obj: Any, depth: int = 0) -> Any:
     ``PickleBuffer``, so that protocol 5 hands it to ``buffer_callback`` instead of copying it."""
     if type(obj) is bytes:
         return pickle.PickleBuffer(obj) if len(obj) >= _OUT_OF_BAND_BYTES else obj
+    if type(obj) is memoryview:  # an entry received as a view of its frame (decode_message)
+        return pickle.PickleBuffer(obj)
     if depth >= 4:
         return obj
     if type(obj) is dict:
@@ -117,8 +122,12 @@ def encode_message(message: Any) -> list[Any]:
     return [meta + payload, *raws]
 
 
-def decode_message(body: memoryview) -> Any:
-    """Inverse of ``encode_message``; refuses every global; raises on anything malformed."""
+def decode_message(body: memoryview, *, owned: bool = False) -> Any:
+    """Inverse of ``encode_message``; refuses every global; raises on anything malformed.
+
+    ``owned``: ``body`` lies in a buffer of its own that is never reused: its out-of-band
+    values come back as read-only views of it (each keeps the whole frame alive) instead of
+    ``bytes`` copies. A body in a reused buffer must not be ``owned``."""
     npickle, nbuffers = _BODY.unpack_from(body)
     offset = _BODY.size + _U32.size * nbuffers
     if nbuffers > _MAX_BUFFERS or offset + npickle > len(body):
@@ -129,6 +138,7 @@ def decode_message(body: memoryview) -> Any:
         raise ValueError("frame buffer sizes do not add up to the frame length")
     buffers = []
     for size in sizes:
-        buffers.append(bytes(body[start:start + size]))  # bytes: what pysyncobj's journal takes
+        value = body[start:start + size]
+        buffers.append(value.toreadonly() if owned else bytes(value))
         start += size
     return loads_restricted(body[offset:offset + npickle], buffers)

@@ -170,6 +170,12 @@ def test_command_format_and_apply_order():
     # the override takes effect: pysyncobj calls it through the mangled name on self
     assert "self.__doApplyCommand(entry[0])" in src(SyncObj._SyncObj__applyLogEntries)
     assert "_SyncObj__doApplyCommand" in ShardGroup.__dict__
+    # A follower's large entries are views of their frame (kvps.raft.wire): pysyncobj reads every
+    # appended entry's type byte with ord(), which a view does not take; ShardGroup answers it.
+    parse = src(SyncObj._SyncObj__parseChangeClusterRequest)
+    assert "commandType = ord(command[:1])" in parse and "_COMMAND_TYPE.MEMBERSHIP" in parse
+    assert "self.__parseChangeClusterRequest(entry[0])" in src(SyncObj._SyncObj__onMessageReceived)
+    assert "_SyncObj__parseChangeClusterRequest" in ShardGroup.__dict__
     # a commandType of None queues the command untouched (our prefix carries the type byte)
     queued = src(SyncObj._applyCommand)
     assert "if commandType is None:" in queued and "put_nowait((command, callback))" in queued
@@ -515,6 +521,7 @@ def test_syncobj_stock_methods_can_be_called(syncobj):
     syncobj._onTick(0.0)  # no leader yet: commandsWaitLeader=False fails it at once
     assert results == [FAIL_REASON.MISSING_LEADER]
     assert internals.stock_do_apply_command(syncobj, bytes((_COMMAND_TYPE.NO_OP,))) is None
+    assert internals.stock_parse_change_cluster_request(syncobj, bytes((_COMMAND_TYPE.NO_OP,))) is None
     internals.stock_on_message_received(syncobj, TCPNode("127.0.0.1:1"),
                                         {"type": "next_node_idx", "next_node_idx": 2,
                                          "reset": True, "success": False})  # no leader: ignored

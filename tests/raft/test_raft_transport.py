@@ -528,3 +528,62 @@ def test_append_pipeline_restores_next_index_and_defers_on_a_full_queue():
     assert pipeline.after_reply("n", behind, True, 2) is None
     assert pipeline.must_defer("n", sent, lambda: 101)
     assert not pipeline.must_defer("n", append(3, 2, 2, []), lambda: 101)  # heartbeats still go
+
+
+def _connected_pair(max_frame: int = 8 << 20):
+    """Two authenticated PeerConnections on 127.0.0.1 and the poller they run on."""
+    from pysyncobj.poller import createPoller
+
+    from kvps.raft.connection import PeerConnection
+    from kvps.raft.peer_settings import PeerSettings, TransportStats
+
+    settings = PeerSettings(b"s" * 32, b"ctx", max_frame, 0, TransportStats())
+    poller = createPoller("auto")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    outgoing = PeerConnection(settings, poller, 5.0, None, peer="incoming")
+    outgoing.connect("127.0.0.1", server.getsockname()[1])
+    sock, _ = server.accept()
+    server.close()
+    sock.setblocking(False)
+    incoming = PeerConnection(settings, poller, 5.0, None, sock=sock, peer="outgoing")
+    return poller, outgoing, incoming
+
+
+def test_a_received_entry_is_never_in_a_buffer_that_is_reused():
+    """Entries of a large frame stay views of that frame's own buffer (no copy on a follower);
+    entries parsed out of the reused staging buffer are copies. Every entry held while more
+    traffic arrives keeps its bytes: were a staging buffer's entries views, the next frames
+    would overwrite them (checked with entries of 16-200 KiB, the out-of-band sizes that fit
+    the 256 KiB staging buffer)."""
+    poller, outgoing, incoming = _connected_pair()
+    got: list = []
+    incoming.setOnMessageReceivedCallback(got.append)
+    try:
+        from pysyncobj.tcp_connection import CONNECTION_STATE
+        wait_for(lambda: (poller.poll(0.01), incoming._handshake.authenticated
+                          and outgoing.state == CONNECTION_STATE.CONNECTED)[1], 10, "the handshake")
+        sent = []
+        for round_ in range(6):
+            fill = bytes([65 + round_])  # every round's entries hold other bytes
+            big = {"type": "append_entries", "entries": [(fill * 300_000, 2 * round_, 1),
+                                                        (fill * 123_457, 2 * round_ + 1, 1)]}
+            small = {"type": "append_entries", "entries": [(fill * 20_000 + bytes([round_]), 9, 1)]}
+            for message in (big, small, small):
+                outgoing.send(message)
+                sent.append(message)
+            wait_for(lambda: (poller.poll(0.01), len(got) == len(sent))[1], 10, "the messages")
+        for message, received in zip(sent, got):
+            for (want, _, _), (have, _, _) in zip(message["entries"], received["entries"]):
+                assert bytes(have) == want  # still, after every later frame
+        kinds = {(len(m["entries"]), type(r["entries"][0][0]).__name__) for m, r in zip(sent, got)}
+        assert kinds == {(2, "memoryview"), (1, "bytes")}, kinds
+        views = [r["entries"][0][0] for r in got if len(r["entries"]) == 2]
+        assert all(v.readonly for v in views)
+        # a view sent on (this follower become leader) travels out of band, as bytes do
+        again = decode_message(memoryview(b"".join(bytes(p) for p in encode_message(got[0]))))
+        assert again["entries"][0][0] == sent[0]["entries"][0][0]
+    finally:
+        outgoing.disconnect()
+        incoming.disconnect()
