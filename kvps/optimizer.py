@@ -3,6 +3,8 @@
 Each optimizer is a frozen dataclass (its hyper-parameters) with a pure ``step``:
 ``step(value, grad, state, step) -> (new_value, new_state)``. It never mutates its inputs and
 returns new arrays, because dense blocks are immutable (readers hold references without a lock).
+Past the house's ~450 lines on purpose: the six optimizers share the deterministic helpers at
+the top (powers, square roots, clipping), and split apart they would each import all of them.
 
 Determinism is the point (every replica must end bit-identical, DESIGN §3):
 
