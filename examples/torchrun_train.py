@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import numpy as np
 import torch
@@ -72,8 +73,12 @@ def main() -> None:
     pm.pull()  # after every worker's last push (synchronous steps)
     same = same_everywhere(model)
     dist.barrier()
-    print(json.dumps({"rank": env.rank, "world_size": env.world_size, "loss": loss.detach().item(),
-                      "same_params": same, "steps": int(ps.pull(counter)[counter][0])}), flush=True)
+    line = json.dumps({"rank": env.rank, "world_size": env.world_size, "loss": loss.detach().item(),
+                       "same_params": same, "steps": int(ps.pull(counter)[counter][0])})
+    # one write of the whole line: every rank prints right after the barrier into one shared
+    # stdout, and print() writes the newline separately (lines came out run together)
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
     pm.close()
     dist.destroy_process_group()
     store.close()
