@@ -11,9 +11,9 @@ before any buffer is allocated.
 I/O runs on pysyncobj's poller in its tick thread, on non-blocking sockets: small frames are
 parsed out of one reusable 256 KiB staging buffer (and the entries in them copied out: the
 buffer is reused); a frame larger than that gets one preallocated array filled with
-``recv_into``, never reused, whose entries stay views of it; outgoing frames wait in a deque of memoryviews sent
-with ``sendmsg`` (no re-slicing copies); at most 16 MiB are read per poll event so the tick thread
-keeps heart-beating while a peer streams a large backlog.
+``recv_into``, never reused, whose entries stay views of it; outgoing frames wait in a deque of
+memoryviews sent with ``sendmsg`` (no re-slicing copies); at most 16 MiB are read per poll event
+so the tick thread keeps heart-beating while a peer streams a large backlog.
 
 A keepalive (an empty frame) goes out after ``connectionTimeout / 4`` of quiet, so the idle
 timeout also works on follower-to-follower connections (no Raft traffic between elections); the
