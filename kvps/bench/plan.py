@@ -107,7 +107,7 @@ PLANS = {
                   b7_work=SmallKeys(rounds=3)),
     # For tests: seconds, not minutes. Small model, 2 shards, one of everything.
     "tiny": Plan("tiny", workers=2, model=Model(tensors=4, tensor_bytes=256 * KiB), b1_warmup=0.3,
-                 b1_seconds=1.0, b1_fairness=False, b1_procs_row=False, b0_settle=0.2, b0_seconds=0.5,
+                 b1_seconds=1.0, b1_fairness=False, b1_procs_row=False, b0_settle=0.2, b0_seconds=1.0,
                  shards=2, b2_sizes=(64 * KiB,), b2_seconds=0.4, b3_kills=1,
                  b3_model=Model(tensors=2, tensor_bytes=64 * KiB), b4_repeats=1, b5_seconds=0.2,
                  b6_work=SparseWork(rows=5000, dim=16, lookups=256, batches=4), b6_warmup=0.3,

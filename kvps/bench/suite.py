@@ -266,8 +266,11 @@ def _b0(plan: Plan, progress: Progress) -> dict[str, Any]:
                 before, t0 = usage(), time.monotonic()
                 time.sleep(plan.b0_seconds)
                 after, t1 = usage(), time.monotonic()
+                # the live threads' nanoseconds: clock ticks (10 ms) can read 0 for an idle
+                # cluster over a short window; B0's threads live as long as the cluster
+                cpu = "cpu_live_s" if after["cpu_live_s"] > 0 else "cpu_s"
                 out[f"procs_{procs}"] = {
-                    "procs": procs, "cores": (after["cpu_s"] - before["cpu_s"]) / (t1 - t0),
+                    "procs": procs, "cores": max(0.0, after[cpu] - before[cpu]) / (t1 - t0),
                     "processes": after.get("processes"), "seconds": round(t1 - t0, 2),
                     # from starting the node processes to a serving leader on every shard
                     "ready_s": timing.get("ready_s"),
