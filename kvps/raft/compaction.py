@@ -112,6 +112,11 @@ class Compaction:
     def applied(self, nbytes: int) -> None:
         self._applied_bytes += nbytes
 
+    def threshold(self) -> float:
+        """Command bytes applied between two compactions."""
+        raft = self._raft
+        return max(raft.compact_bytes, raft.compact_ratio * self._state_bytes)
+
     def due(self, sending: bool = False) -> bool:
         """Whether enough bytes were applied to force a compaction (then counts from zero).
 
@@ -120,8 +125,7 @@ class Compaction:
         snapshot (``ShardGroup._check_compaction``); a leader compacting back to back would never
         let a big snapshot through. So the compaction waits for the send, up to ``DEFER_FACTOR``
         times the usual bytes, which bounds the log a stuck or abandoned send can keep."""
-        raft = self._raft
-        threshold = max(raft.compact_bytes, raft.compact_ratio * self._state_bytes)
+        threshold = self.threshold()
         if self._applied_bytes < threshold:
             return False
         if sending and self._applied_bytes < DEFER_FACTOR * threshold:

@@ -15,7 +15,15 @@ without any I/O on the tick thread. The worker thread (``journal-segments``) the
   ``journal_segment_bytes`` (made for one oversized record), and any beyond the most segments the
   log has held at once, is closed and unlinked instead;
 * creates the next segment ahead of time (allocated, and read once: its pages are then in the
-  page cache, with no disk write) once the active one is half full and no free one is left.
+  page cache, with no disk write) once the active one is half full and no free one is left, and
+  (``reserve``) as many as the log is expected to span at its longest.
+
+``reserve(n)``: the owner's estimate of the most segments its log spans at once (from its
+compaction interval, ``kvps.raft.group``), given once the log first reaches a compaction. The
+worker creates segments until the pool holds ``n``, so a journal reaches its size in the first
+seconds of sustained writes instead of one new segment per new longest log over minutes (each
+one 16 MiB of page cache and page faults in the middle of a training run); an idle journal or
+one that never compacts creates none.
 
 A retired segment whose free mark a crash lost is still live at open: its entries lie below the
 snapshot's (``first_index``) and it is freed then (``kvps.raft.segments``).
@@ -55,6 +63,7 @@ class SegmentPool:
         self._epoch = epoch  # the highest epoch given to a segment so far
         self._number = number  # the highest segment file number
         self._peak = max(2, len(self._live) + 1)  # most segments the log has used at once
+        self._reserve = 0  # segments the pool is to hold (``reserve``)
         self._busy = False
         self._dir_dirty = False  # a segment created on the tick thread, its directory unsynced
         self._wake = threading.Event()
@@ -62,6 +71,16 @@ class SegmentPool:
                                         name=f"kvps-journal-segments {self._path.parent.name}",
                                         daemon=True)
         self._worker.start()
+
+    def reserve(self, count: int) -> None:
+        """Have the pool hold at least ``count`` segments of ``journal_segment_bytes`` (live, free
+        and being freed), created by the worker thread; never shrinks an earlier reserve."""
+        with self._lock:
+            if count <= self._reserve:
+                return
+            self._reserve = count
+            self._peak = max(self._peak, count)
+        self._wake.set()
 
     def _take(self, length: int) -> Segment:
         """With ``_lock`` held, on the tick thread: end the active segment and start appending
@@ -126,7 +145,11 @@ class SegmentPool:
 
     def _spare_wanted(self) -> bool:
         seg = self._active
-        return not self._free and seg is not None and seg.fd >= 0 and seg.tail * 2 > seg.size
+        if seg is None or seg.fd < 0:
+            return False
+        if len(self._live) + len(self._free) + len(self._retired) < self._reserve:
+            return True
+        return not self._free and seg.tail * 2 > seg.size
 
     def _pool_round(self) -> bool:
         """One round of the worker's work (module docstring); whether there was any."""

@@ -297,6 +297,37 @@ def test_compaction_overwrites_the_snapshot_before_last_in_place(tmp_path):
         c.stop_all()
 
 
+def test_the_first_compaction_sizes_every_replicas_segment_pool(tmp_path):
+    """Until the log first reaches a compaction a journal holds its active segment and at most a
+    spare; the first compaction reserves the segments the log spans at its longest
+    (RESERVE_INTERVALS compaction intervals, a largest command, the active one), made by the
+    journal's worker, so a training run does not create them one at a time for minutes."""
+    from kvps.raft.group import RESERVE_INTERVALS
+
+    seg, cmd = 64 * 1024, 128 * 1024
+    c = Cluster(tmp_path, raft=FAST.__class__(**{**FAST.__dict__, "compact_bytes": 128 * 1024,
+                                                 "journal_segment_bytes": seg,
+                                                 "max_command_bytes": cmd}))
+    want = -(-(RESERVE_INTERVALS * 128 * 1024 + cmd) // seg) + 1
+
+    def segment_files() -> list[int]:
+        return [len([p for p in (c.root / a.replace(":", "_")).glob("raft.journal.seg-*")
+                     if not p.name.endswith(".new")]) for a in c.addresses]
+
+    try:
+        c.start_all()
+        for i in range(8):  # 64 KiB: half a compaction interval
+            c.propose(f"r-{i}-".encode() + b"q" * 8000)
+        c.wait_converged()
+        assert max(segment_files()) <= 2
+        for i in range(20):  # 160 KiB more: every replica compacts once
+            c.propose(f"s-{i}-".encode() + b"q" * 8000)
+        c.wait_converged()
+        wait_for(lambda: segment_files() == [want] * 3, what=f"{want} segments in every journal")
+    finally:
+        c.stop_all()
+
+
 def test_empty_replica_is_rebuilt_by_snapshot_install(tmp_path):
     c = Cluster(tmp_path, raft=FAST.__class__(**{**FAST.__dict__, "compact_bytes": 32 * 1024}))
     try:

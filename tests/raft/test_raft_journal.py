@@ -659,6 +659,32 @@ def test_recycling_opens_no_new_files(tmp_path):
     assert entries(open_journal(tmp_path / "raft.journal", first_index=kept[0][1])) == kept
 
 
+def test_a_reserve_creates_the_pool_ahead_and_a_longer_log_then_creates_nothing(tmp_path):
+    """``reserve(n)``: the worker makes segments until the pool holds n; appends and compactions
+    within them then never create a file (no fresh page cache in the middle of a run), retired
+    ones are kept up to the reserve, and a smaller reserve later shrinks nothing."""
+    j = open_journal(tmp_path / "raft.journal", "interval", fsync_interval=3600)
+    fill(j, 3, size=1000)
+    j._settle()
+    assert len(segment_files(tmp_path)) <= 2  # no reserve: the active one and at most a spare
+    j.reserve(6)
+    j._settle()
+    made = {p: p.stat().st_ino for p in segment_files(tmp_path)}
+    assert len(made) == 6 and len(j._live) + len(j._free) == 6
+    j.reserve(3)  # never shrinks
+    j._settle()
+    # the log spans at most 5 of them (16 KiB segments, ~1 KiB records), then compacts
+    for k in range(20):
+        fill(j, 40, first=4 + 40 * k, size=1000)
+        assert len(j._live) <= 5
+        j.deleteEntriesTo(len(j) - 2)
+        j._settle()
+        assert {p: p.stat().st_ino for p in segment_files(tmp_path)} == made, k
+    kept = entries(j)
+    j._destroy()
+    assert entries(open_journal(tmp_path / "raft.journal", first_index=kept[0][1])) == kept
+
+
 def test_an_oversized_record_gets_a_segment_of_its_own(tmp_path):
     path = tmp_path / "raft.journal"
     j = open_journal(path, "always")
