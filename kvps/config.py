@@ -159,7 +159,8 @@ class ServerConfig:
     # room under raft.max_command_bytes.
     batch_bytes: int = 6 * MiB
     # An idle leader waits this long before proposing, so the pushes of one training step from
-    # several workers merge into one entry (under load the commit round trip is the window).
+    # several workers merge into one entry (under load the commit round trip is the window); only
+    # while more than one client pushes to it (a lone writer's push goes out at once).
     merge_window: float = 0.002
     # Proposals in flight at once; more pushes wait and get merged.
     max_inflight_proposals: int = 2

@@ -2,8 +2,11 @@
 
 Pushes that arrive while earlier proposals are in flight wait in ``pending``; as soon as a proposal
 slot frees up, everything pending (up to ``batch_bytes``) is merged into one ``Push`` command
-(``kvps.merge``) and proposed. When the leader is idle a push is proposed at once, so batching adds
-no latency; under load the window is exactly one commit round trip, bounded in bytes.
+(``kvps.merge``) and proposed. Under load the window is exactly one commit round trip, bounded in
+bytes. An idle leader waits ``merge_window`` before proposing, so the pushes of one training step
+from several workers share an entry, but only while more than one client pushes to it: a lone
+writer's push is proposed at once (the window was half of a 4 KiB write's latency here, and there
+is nothing to merge it with).
 
 A push that names a block (or a table) an in-flight proposal names waits for that proposal to
 commit, and then merges with every other push to those blocks that arrived meanwhile: concurrent
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -31,6 +35,9 @@ __all__ = ["PushBatcher"]
 log = logging.getLogger("kvps.batcher")
 
 PushKey = tuple[str, int]
+# The merge window applies for this long (s) after a push from a client other than the previous
+# one; a training step is well within it, so the workers of a job keep merging.
+SHARED_HORIZON = 1.0
 _SUM: Mapping[str, str] = {}  # no modes given: every key sums
 
 
@@ -59,6 +66,8 @@ class PushBatcher:
         self._space = asyncio.Condition()
         self._timer: asyncio.TimerHandle | None = None
         self._window_done = False
+        self._last_client: str | None = None
+        self._shared_until = 0.0  # time.monotonic() until which several clients count as pushing
 
     @property
     def accepted_bytes(self) -> int:
@@ -73,6 +82,9 @@ class PushBatcher:
             raise InvalidRequest("push id already in flight for a different push; nothing applied",
                                  client=req.client, seq=req.seq)
         if fut is None:
+            if self._last_client is not None and req.client != self._last_client:
+                self._shared_until = time.monotonic() + SHARED_HORIZON
+            self._last_client = req.client
             self._digests[key] = req.digest
             size = request_bytes(req)
             await self._reserve(size)
@@ -103,9 +115,11 @@ class PushBatcher:
     def _kick(self) -> None:
         window = self._cfg.merge_window
         if (window > 0 and self._inflight == 0 and self._pending and self._timer is None
-                and self._pending_bytes < self._cfg.batch_bytes and not self._window_done):
-            # Idle leader: wait one short window so pushes that arrive together (the workers of
-            # one step) merge into one entry; under load the commit round trip is the window.
+                and self._pending_bytes < self._cfg.batch_bytes and not self._window_done
+                and time.monotonic() < self._shared_until):
+            # Idle leader that several clients push to: wait one short window so pushes that
+            # arrive together (the workers of one step) merge into one entry; under load the
+            # commit round trip is the window.
             self._timer = asyncio.get_running_loop().call_later(window, self._window_elapsed)
             return
         if self._timer is not None and (self._inflight > 0 or self._pending_bytes >= self._cfg.batch_bytes):

@@ -262,6 +262,14 @@ def test_idle_leader_waits_one_merge_window():
     async def main():
         raft = FakeRaft()
         b = make(raft, merge_window=0.05)
+        # two clients have pushed before: the leader is shared, so it waits for the others
+        for i, c in enumerate("xy"):
+            first = asyncio.create_task(b.submit(push(c, 1)))
+            await until(lambda: len(raft.proposed) > i)
+            raft.release(i)
+            await first
+        raft.proposed.clear()
+        raft.gates.clear()
         tasks = [asyncio.create_task(b.submit(push(c, 1))) for c in "ab"]
         await asyncio.sleep(0)
         assert raft.proposed == []                   # waiting for the window ...
@@ -272,3 +280,25 @@ def test_idle_leader_waits_one_merge_window():
         return raft.proposed[0]
 
     assert len(asyncio.run(main()).pushes) == 3
+
+
+def test_a_lone_writer_is_not_held_for_the_merge_window():
+    """With one client there is nothing to merge with: each push is proposed at once (a window of
+    an hour would hold it for an hour if it applied)."""
+    async def main():
+        raft = FakeRaft()
+        b = make(raft, merge_window=3600.0)
+        for seq in range(1, 4):
+            task = asyncio.create_task(b.submit(push("solo", seq)))
+            await until(lambda: len(raft.proposed) == seq)
+            raft.release(seq - 1)
+            await task
+        # a second client makes the leader shared: its next push waits for the window
+        other = asyncio.create_task(b.submit(push("other", 1)))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        held = len(raft.proposed) == 3
+        other.cancel()
+        return held
+
+    assert asyncio.run(main())
