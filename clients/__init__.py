@@ -37,12 +37,13 @@ from kvps.optimizer import FTRL, SGD, Adagrad, Adam, Add, RowWiseAdagrad
 from ._client import Client, ClientStats, RetryPolicy
 from ._clock import StepClock
 from ._sync import SyncClient
-from ._transport import HttpTransport, MockTransport, Transport
+from ._transport import Body, HttpTransport, MockTransport, Transport
 
 __all__ = [
     "Adagrad",
     "Adam",
     "Add",
+    "Body",
     "CapacityExceeded",
     "Client",
     "ClientStats",

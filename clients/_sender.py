@@ -1,6 +1,7 @@
 """The client's request path, as a chain of small steps (the way httpx's client sends):
 
-    call          one deadline for the whole call; the frame is encoded once, retries reuse it
+    call          one deadline for the whole call; the frame is encoded once (its parts, not
+                  joined: ``Body``), retries reuse it
     _retrying     on a RetryableError: jittered exponential back-off, refetch the map now and then
     _hinted       on NotLeader with a fresh hint: re-route at once (twice at most: stale hints loop)
     send_once     one HTTP exchange with one replica; a kvps error in the reply is raised as itself
@@ -21,7 +22,7 @@ from kvps.delta import frame
 from kvps.errors import ConnectError, KvpsError, NotLeader, RetryableError, Timeout, Unavailable, error_from_dict
 
 from ._routing import ClusterMap
-from ._transport import Transport
+from ._transport import Body, Transport
 
 __all__ = ["ClientStats", "RetryPolicy", "Route", "Sender", "error_from_response"]
 
@@ -111,7 +112,8 @@ class Sender:
     async def call(self, shard: int, op: str, meta: dict, arrays=(), *, accept_codec: str,
                    codec: str | list[str], consistency: str = "leader") -> frame.Frame:
         """``op`` on ``shard`` until it succeeds, a replica rejects it, or the deadline passes."""
-        body = frame.encode(frame.KIND_REQUEST, {**meta, "accept_codec": accept_codec}, arrays, codec=codec)
+        body = Body(frame.encode_parts(frame.KIND_REQUEST, {**meta, "accept_codec": accept_codec}, arrays,
+                                       codec=codec))
         route = Route(self._map(), shard, follower=consistency == "follower", rng=self._rng)
         try:
             async with asyncio.timeout(self.timeout):
@@ -120,7 +122,7 @@ class Sender:
             raise Timeout(f"{op} on shard {shard} did not succeed within {self.timeout}s; "
                           f"last error: {route.last}", shard=shard, op=op) from None
 
-    async def _retrying(self, route: Route, op: str, body: bytes) -> frame.Frame:
+    async def _retrying(self, route: Route, op: str, body: Body) -> frame.Frame:
         while True:
             try:
                 return await self._hinted(route, op, body)
@@ -137,7 +139,7 @@ class Sender:
                     pass  # keep routing with the map we have
             await self._sleep(self._backoff(route.attempt))
 
-    async def _hinted(self, route: Route, op: str, body: bytes) -> frame.Frame:
+    async def _hinted(self, route: Route, op: str, body: Body) -> frame.Frame:
         """Late in a call too: after a failover the first fresh hint is the news the client was
         backing off for."""
         hops = 0
@@ -154,7 +156,7 @@ class Sender:
                 hops += 1
                 route.attempt += 1
 
-    async def send_once(self, url: str, op: str, body: bytes) -> frame.Frame:
+    async def send_once(self, url: str, op: str, body: Body) -> frame.Frame:
         """One request to the replica at ``url``, no retry."""
         self.stats.requests += 1
         self.stats.bytes_sent += len(body)

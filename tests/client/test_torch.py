@@ -132,7 +132,7 @@ class PushRecorder(kc.HttpTransport):
 
     async def request(self, method, url, body, **kw):
         if url.endswith("/v1/rpc/push"):
-            keys = [d["key"] for d in frame.decode(body).meta.get("dense", [])]
+            keys = [d["key"] for d in frame.decode(bytes(body)).meta.get("dense", [])]
             self.sent.append(keys)
             if self.watch in keys:
                 self.event.set()

@@ -188,7 +188,7 @@ class RowRecorder(kc.HttpTransport):
 
     async def request(self, method, url, body, **kw):
         if url.endswith("/v1/rpc/push"):
-            req = frame.decode(body)
+            req = frame.decode(bytes(body))
             self.dense += [d["key"] for d in req.meta.get("dense", [])]
             for r in req.meta.get("rows", []):
                 self.rows.setdefault(r["key"], []).extend(req.arrays[r["ids"]].tolist())
