@@ -117,13 +117,21 @@ def _size(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // 1024} KiB"
 
 
+def _pressure_md(m: dict) -> str:
+    """``; waiting on io 8.6 % → 9.4 %, ...`` (5-minute averages at start and end), if known."""
+    start, end = m.get("pressure_start") or {}, m.get("pressure_end") or {}
+    shown = [f"{k} {start[k]:.1f} % → {end[k]:.1f} %" if k in end else f"{k} {start[k]:.1f} %"
+             for k in ("io", "memory") if k in start]
+    return "; tasks waiting on " + ", ".join(shown) + " (5-min averages, start → end)" if shown else ""
+
+
 def render_markdown(r: dict) -> str:
     m = r["meta"]
     out = [f"# kvps bench — {m['plan']} run",
            "",
            (f"{m['started']} → {m.get('finished', '?')}; {m['cpus']} CPUs, Python {m['python']}; "
-           f"load average at start {m['load_avg_start']}. The machine is shared and noisy: "
-           "compare the ratios (measured side by side in this run), not the absolutes."),
+           f"load average at start {m['load_avg_start']}{_pressure_md(m)}. The machine is shared and "
+           "noisy: compare the ratios (measured side by side in this run), not the absolutes."),
            ""]
     if r.get("skipped"):
         out += ["**Skipped:** " + "; ".join(f"{k}: {v}" for k, v in r["skipped"].items()), ""]

@@ -30,6 +30,24 @@ def _load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def _pressure() -> dict[str, float]:
+    """The share of time (%) some task waited on I/O and on memory over the last 5 minutes
+    (``/proc/pressure``, Linux 4.20+; empty where absent). A contended disk or a host reclaiming
+    the VM's page cache moved B1 by 3x between runs of the same code here; this says so in the
+    results instead of leaving it to be guessed."""
+    out: dict[str, float] = {}
+    for resource in ("io", "memory"):
+        try:
+            with open(f"/proc/pressure/{resource}") as f:
+                some = f.readline().split()
+        except OSError:
+            continue
+        fields = dict(kv.split("=", 1) for kv in some[1:] if "=" in kv)
+        if "avg300" in fields:
+            out[resource] = float(fields["avg300"])
+    return out
+
+
 def run_suite(plan: Plan, sections: tuple[str, ...], systems: tuple[str, ...],
               progress: Progress, skipped: dict[str, str]) -> dict[str, Any]:
     results: dict[str, Any] = {
@@ -40,7 +58,7 @@ def run_suite(plan: Plan, sections: tuple[str, ...], systems: tuple[str, ...],
                            "bytes": plan.model.nbytes},
                  "kvps_cluster": {"nodes": plan.nodes, "shards": plan.shards, "replicas": 3,
                                   "fsync": plan.kvps_fsync},
-                 "load_avg_start": _load()},
+                 "load_avg_start": _load(), "pressure_start": _pressure()},
         "skipped": dict(skipped),
     }
     b1: dict[str, Any] = {}
@@ -85,6 +103,7 @@ def run_suite(plan: Plan, sections: tuple[str, ...], systems: tuple[str, ...],
         if "kvps" in b7 and "redis" in b7:  # round time: lower is better, so the peer's over kvps's
             results["b7"]["ratio_vs_redis"] = b7["redis"]["round_s"] / b7["kvps"]["round_s"]
     results["meta"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    results["meta"]["pressure_end"] = _pressure()
     return results
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +27,13 @@ def test_steps_in_window_counts_straddling_steps_by_fraction():
     assert steps_in_window(steps, 1.0, 2.0) == pytest.approx(1.0)
     assert steps_in_window(steps, 10.0, 11.0) == 0.0
     assert steps_in_window([(1.0, 1.0)], 0.0, 2.0) == 0.0  # zero-length steps are ignored
+
+
+def test_the_header_says_how_contended_the_machine_was():
+    from kvps.bench.report import _pressure_md
+    line = _pressure_md({"pressure_start": {"io": 8.57, "memory": 0.0}, "pressure_end": {"io": 9.4}})
+    assert line == "; tasks waiting on io 8.6 % → 9.4 %, memory 0.0 % (5-min averages, start → end)"
+    assert _pressure_md({}) == "" and _pressure_md({"pressure_start": {}}) == ""
 
 
 def test_derive_names_ratios_and_targets():
@@ -116,6 +124,8 @@ def test_tiny_bench_runs_every_section(tmp_path, capsys):
     # every replica a process of its own (3 nodes + 3 x 2 replicas), or only the 3 nodes
     assert b0["procs_0"]["processes"] == 3 + 3 * 2 and b0["procs_1"]["processes"] == 3
     assert results["meta"]["kvps_cluster"]["procs"] == 1
+    if Path("/proc/pressure/io").exists():  # Linux with PSI: the run says how contended it was
+        assert set(results["meta"]["pressure_start"]) >= {"io"} and "tasks waiting on io" in md
     b7 = results["b7"]["systems"]  # the run itself checks every key's value after the pushes
     assert b7["kvps"]["rounds"] == 2 and 0 < b7["kvps"]["pull_s"] and 0 < b7["kvps"]["create_s"]
     assert (out / "b7_small_keys.png").stat().st_size > 0
