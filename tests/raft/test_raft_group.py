@@ -316,10 +316,13 @@ def test_the_first_compaction_sizes_every_replicas_segment_pool(tmp_path):
 
     try:
         c.start_all()
-        for i in range(8):  # 64 KiB: half a compaction interval
+        # 32 KiB: a quarter of a compaction interval, within the first segment (60 KiB of
+        # records). 64 KiB rolled into a second segment, and when the worker's spare came late
+        # (a loaded machine) the tick thread made one itself: 3 files, and a red CI run.
+        for i in range(4):
             c.propose(f"r-{i}-".encode() + b"q" * 8000)
         c.wait_converged()
-        assert max(segment_files()) <= 2
+        assert max(segment_files()) <= 2  # the active segment and at most a spare
         for i in range(20):  # 160 KiB more: every replica compacts once
             c.propose(f"s-{i}-".encode() + b"q" * 8000)
         c.wait_converged()
