@@ -295,9 +295,9 @@ def test_a_lone_writer_is_not_held_for_the_merge_window():
             await task
         # a second client makes the leader shared: its next push waits for the window
         other = asyncio.create_task(b.submit(push("other", 1)))
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        held = len(raft.proposed) == 3
+        # pending while the window runs; without it the batch leaves pending and is proposed
+        await until(lambda: b._pending or len(raft.proposed) > 3)
+        held = bool(b._pending) and len(raft.proposed) == 3
         other.cancel()
         return held
 
