@@ -105,7 +105,7 @@ class ChaosCluster(LocalCluster):
         from kvps.node.process import python_module_args
         if node_id in self.joined:
             raise RuntimeError(f"node {node_id} was already started by this harness")
-        count = 2 * self.cfg.shards + 2
+        count = 2 * self.cfg.shards + 3  # admin, 2 per shard, metadata, wire
         if self.topology is None and node_id in self.join_ports:  # a restart: the same ports
             host, port = "127.0.0.1", self.join_ports[node_id]
             # The admin port must be free for the node to start; a replica whose port an outgoing

@@ -44,6 +44,7 @@ from ._rows import RowCache
 from ._routing import ClusterMap
 from ._sender import ClientStats, RetryPolicy, Sender, error_from_response
 from ._transport import HttpTransport, Transport
+from ._wire import WireTransport
 
 __all__ = ["Client", "ClientStats", "RetryPolicy"]
 
@@ -62,7 +63,7 @@ class Client:
                  client_id: str | None = None, transport: Transport | None = None,
                  retry: RetryPolicy = RetryPolicy(), seed: int | None = None,
                  ssl: ssl_.SSLContext | str | None = None, deltas: bool | str = "auto",
-                 push_codec: str = "raw", row_cache: bool = True,
+                 push_codec: str = "raw", row_cache: bool = True, wire: bool | None = None,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         if endpoints is None:
             endpoints = os.environ.get("KVPS_ENDPOINT", DEFAULT_ENDPOINT)
@@ -90,7 +91,11 @@ class Client:
         self.sender = Sender(transport=transport or HttpTransport(ssl=ssl), client_id=self.client_id,
                              token=self.token, timeout=timeout, request_timeout=request_timeout,
                              retry=retry, rng=random.Random(seed), sleep=sleep, stats=self.stats,
-                             cluster_map=lambda: self.cluster_map, refresh_map=self.refresh_map)
+                             cluster_map=lambda: self.cluster_map, refresh_map=self.refresh_map,
+                             # the nodes' binary data plane where they serve one. wire=False: every
+                             # call through ``transport`` (HTTP); the default when one is given
+                             wire=WireTransport(self.token, ssl=ssl)
+                             if (transport is None if wire is None else wire) else None)
         self._infos: dict[str, dict] = {}
         self._layouts: dict[str, tuple[dict, DenseLayout]] = {}  # key -> (the info it came from, layout)
         self._cache: dict[str, DenseCache] = {}
@@ -122,6 +127,8 @@ class Client:
         if self._state == "closed":
             return
         self._state = "closed"
+        if self.sender.wire is not None:
+            await self.sender.wire.close()
         await self.sender.transport.close()
 
     @property

@@ -1,6 +1,7 @@
 """The client's view of the cluster: which replicas hold each shard and which one leads."""
 from __future__ import annotations
 
+import functools
 import ipaddress
 import random
 from dataclasses import dataclass, field
@@ -22,6 +23,9 @@ class ClusterMap:
     # admin URLs of the cluster's nodes (joined ones too): where to refetch the map from when
     # the endpoints the client was given have left the cluster
     admin_urls: list[str] = field(default_factory=list)
+    # data URL -> (host, wire port, shard, tls) of the replicas whose node serves the binary data
+    # plane (kvps.delta.wire); a replica missing here is called over HTTP
+    wire: dict[str, tuple[str, int, int, bool]] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ClusterMap":
@@ -34,7 +38,9 @@ class ClusterMap:
                 replicas=[[r["data_url"] for r in s["replicas"]] for s in shards],
                 leaders=[s.get("leader_url") for s in shards],
                 admin_urls=[n["admin_url"] for n in data.get("nodes", [])
-                            if n.get("state", "active") != "removed" and "admin_url" in n])
+                            if n.get("state", "active") != "removed" and "admin_url" in n],
+                wire={r["data_url"]: _wire_address(r["wire"], s["id"], r["data_url"])
+                      for s in shards for r in s["replicas"] if r.get("wire")})
         except (KeyError, TypeError, ValueError) as exc:
             raise Unavailable(f"malformed cluster map: {exc}") from exc
 
@@ -56,8 +62,15 @@ class ClusterMap:
         self.leaders[shard] = url
 
 
+def _wire_address(address: str, shard: int, data_url: str) -> tuple[str, int, int, bool]:
+    host, _, port = str(address).rpartition(":")
+    return host, int(port), int(shard), data_url.startswith("https:")
+
+
+@functools.lru_cache(maxsize=4096)
 def is_loopback_url(url: str) -> bool:
-    """``url``'s host is ``localhost`` or a loopback address (127.0.0.0/8, ::1)."""
+    """``url``'s host is ``localhost`` or a loopback address (127.0.0.0/8, ::1). Cached: asked
+    for every shard of every pull, and parsing an address costs ~15 µs."""
     host = urlsplit(url).hostname or ""
     if host == "localhost":
         return True

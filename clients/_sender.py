@@ -4,7 +4,9 @@
                   joined: ``Body``), retries reuse it
     _retrying     on a RetryableError: jittered exponential back-off, refetch the map now and then
     _hinted       on NotLeader with a fresh hint: re-route at once (twice at most: stale hints loop)
-    send_once     one HTTP exchange with one replica; a kvps error in the reply is raised as itself
+    send_once     one exchange with one replica, on its node's wire connection when the map names
+                  one (``WireTransport``), else over HTTP; a kvps error in the reply is raised
+                  as itself
 
 Where each attempt goes is ``Route``'s business (the believed leader, else the replicas in turn,
 passing over one that gave no answer at all). ``fan_out`` runs one call per shard concurrently.
@@ -23,6 +25,7 @@ from kvps.errors import ConnectError, KvpsError, NotLeader, RetryableError, Time
 
 from ._routing import ClusterMap
 from ._transport import Body, Transport
+from ._wire import WireTransport
 
 __all__ = ["ClientStats", "RetryPolicy", "Route", "Sender", "error_from_response"]
 
@@ -32,6 +35,7 @@ class ClientStats:
     bytes_sent: int = 0       # request bodies on the wire (after compression)
     bytes_received: int = 0   # response bodies on the wire
     requests: int = 0
+    wire_requests: int = 0    # of those, sent on a node's wire connection (the rest: HTTP)
     retries: int = 0
     redirects: int = 0        # NotLeader hints followed
 
@@ -93,8 +97,10 @@ class Sender:
     def __init__(self, *, transport: Transport, client_id: str, token: str, timeout: float,
                  request_timeout: float, retry: RetryPolicy, rng: random.Random,
                  sleep: Callable[[float], Awaitable[None]], stats: ClientStats,
-                 cluster_map: Callable[[], ClusterMap], refresh_map: Callable[[], Awaitable[Any]]) -> None:
+                 cluster_map: Callable[[], ClusterMap], refresh_map: Callable[[], Awaitable[Any]],
+                 wire: WireTransport | None = None) -> None:
         self.transport = transport
+        self.wire = wire
         self.client_id = client_id
         self.token = token
         self.timeout = timeout
@@ -162,10 +168,17 @@ class Sender:
         self.stats.bytes_sent += len(body)
         # Every attempt has its own id; the server logs it and echoes it, and errors carry it.
         request_id = f"{self.client_id[:12]}-{self.stats.requests}"
-        status, data = await self.transport.request(
-            "POST", url + "/v1/rpc/" + op, body,
-            headers={**self.headers(), "Content-Type": "application/x-kvps-frame", "X-Request-Id": request_id},
-            timeout=self.request_timeout)
+        address = self._map().wire.get(url) if self.wire is not None else None
+        if address is not None:
+            self.stats.wire_requests += 1
+            status, data = await self.wire.request(address[:2] + address[3:], address[2], op, body,
+                                                   timeout=self.request_timeout, tag=request_id)
+        else:
+            status, data = await self.transport.request(
+                "POST", url + "/v1/rpc/" + op, body,
+                headers={**self.headers(), "Content-Type": "application/x-kvps-frame",
+                         "X-Request-Id": request_id},
+                timeout=self.request_timeout)
         self.stats.bytes_received += len(data)
         if status != 200:
             err = error_from_response(status, data)

@@ -220,6 +220,11 @@ class ServerConfig:
     # hold back a leader's heartbeats past the election timeout under load (B1 here: 15 role
     # changes in a 15 s window with 1, 6 with 2, 0-3 with 4); idle, 4 cost what 1 does.
     raft_threads: int = 4
+    # With procs = 1: serve the binary data plane (kvps/delta/wire.py) on the node's wire port,
+    # port_base + 2 * shards + 1: one pipelined connection per client for every replica the node
+    # hosts, where HTTP costs an exchange per request. Clients use it where the cluster map names
+    # it (Client(wire=False): HTTP only); the replicas' HTTP data ports keep serving either way.
+    wire: bool = True
 
     def validate(self) -> "ServerConfig":
         _positive(self, "max_request_bytes", "max_raw_bytes", "body_timeout", "batch_bytes",
@@ -251,7 +256,9 @@ class NodeConfig:
     host: str = "127.0.0.1"
     # The node's admin HTTP port.
     admin_port: int = 7100
-    # Replica of shard s on this node: raft port = port_base + 2*s, data port = port_base + 2*s + 1.
+    # Replica of shard s on this node: raft port = port_base + 2*s, data port = port_base + 2*s + 1;
+    # then the metadata replica's Raft port (port_base + 2*shards) and the node's wire port
+    # (port_base + 2*shards + 1, ClusterConfig.wire_port).
     port_base: int = 7200
     data_dir: str = ""
     # "https" when the cluster serves TLS (see ClusterConfig.tls_cert); Raft peer traffic is
@@ -337,6 +344,10 @@ class ClusterConfig:
 
     def node(self, node_id: int) -> NodeConfig:
         return self.nodes[node_id]
+
+    def wire_port(self, node_id: int) -> int:
+        """Node ``node_id``'s wire port (the binary data plane, ``server.wire``)."""
+        return self.nodes[node_id].port_base + 2 * self.shards + 1
 
     def with_bind(self, node_id: int, bind: str | None) -> "ClusterConfig":
         """This config with node ``node_id`` listening on ``bind`` (None: unchanged)."""

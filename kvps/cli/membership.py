@@ -4,7 +4,7 @@
     kvps node drain ID [--endpoint URL] [--token T] [--no-wait] [--timeout S]
 
 ``join`` asks the seed (any node) to add a node at ``H:P`` (admin API; shard ports P+1 ..
-P+2*shards) to the metadata group, writes the cluster's ``cluster.toml``, ``secret`` and ``token``
+P+2*shards, the metadata replica's P+2*shards+1, the wire port P+2*shards+2) to the metadata group, writes the cluster's ``cluster.toml``, ``secret`` and ``token``
 into DIR, and then runs that node in the foreground like ``kvps node`` (Ctrl-C / SIGTERM stop it;
 run the same command again to restart it: a repeated join gets the same id back). While the
 seed cannot be reached or answers with a retryable error (no metadata leader yet, say), ``join``

@@ -117,6 +117,9 @@ def node_view(node: "Node") -> dict[str, Any]:
             "pid": pid, "restarts": rp.restarts,
             "raft": node.cfg.node(node.node_id).raft_address(rp.shard),
             "data_url": node.cfg.node(node.node_id).data_url(rp.shard),
+            # where its node serves the binary data plane (kvps.delta.wire), while it does
+            **({"wire": f"{node.cfg.node(node.node_id).host}:{node.cfg.wire_port(node.node_id)}"}
+               if getattr(node, "wire", None) is not None else {}),
             "role": st.get("role", "unknown"), "term": st.get("term"), "won_by": st.get("won_by"),
             "leader": st.get("leader"), "serving": st.get("serving", False),
             "commit_index": st.get("commit_index"), "applied_index": st.get("applied_index"),

@@ -93,7 +93,7 @@ def make_config(*, nodes: int, shards: int, replicas: int, port: int, block_byte
     scheme = "https" if tls_cert else "http"
     node_cfgs = tuple(
         NodeConfig(id=i, host="127.0.0.1", admin_port=port + i,
-                   port_base=port + nodes + i * (2 * shards + 1), data_dir=f"node-{i}", scheme=scheme)
+                   port_base=port + nodes + i * (2 * shards + 2), data_dir=f"node-{i}", scheme=scheme)
         for i in range(nodes))
     return ClusterConfig(nodes=node_cfgs, shards=shards, replicas=replicas, block_bytes=block_bytes,
                          raft=raft, server=server, tls_cert=tls_cert, tls_key=tls_key,
@@ -101,8 +101,8 @@ def make_config(*, nodes: int, shards: int, replicas: int, port: int, block_byte
 
 
 def ports_needed(nodes: int, shards: int) -> int:
-    # per node: 2 per shard (raft, data) + 1 for its metadata replica (kvps/meta.py)
-    return nodes + nodes * (2 * shards + 1)
+    # per node: 2 per shard (raft, data) + 1 for its metadata replica (kvps/meta.py) + its wire port
+    return nodes + nodes * (2 * shards + 2)
 
 
 class LocalCluster:

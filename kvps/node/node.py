@@ -26,7 +26,7 @@ from aiohttp import web
 
 from kvps.assignment import Assignment
 from kvps.config import ClusterConfig, NodeConfig
-from kvps.errors import ConfigError, InvalidRequest, KvpsError
+from kvps.errors import ConfigError, InvalidRequest, KvpsError, Unavailable
 from kvps.node.admin import make_app
 from kvps.node.identity import Identity, known_incarnations, settle
 from kvps.node.meta_service import NodeMembership
@@ -34,12 +34,14 @@ from kvps.node.metrics import NodeMetrics
 from kvps.node.process import python_module_args, spawn, stop_process
 from kvps.raft import recovery
 from kvps.raft.ticker import Ticker
+from kvps.replica.dataplane import answer, rejected
 from kvps.replica.resident import ResidentReplica
 from kvps.node.snapshot_api import SnapshotService
 from kvps.service.connections import ConnectionLimits
 from kvps.service.auth import TokenStore
 from kvps.service.lifecycle import MALLOC_SETTINGS
 from kvps.service.http import PeerClient
+from kvps.service.wire import WireServer
 
 __all__ = ["Node", "ReplicaProcess"]
 
@@ -129,6 +131,26 @@ class Node:
         self.http = PeerClient(token=tokens.admin_token, ssl=client_ssl)
         self.metrics = NodeMetrics(node_id)
         self.snapshots = SnapshotService(self)  # /v1/snapshots and the snapshot schedule
+        self.wire: WireServer | None = None  # the binary data plane (server.wire, resident replicas)
+
+    def _wire_server(self) -> WireServer:
+        server = self.cfg.server
+
+        async def dispatch(shard: int, op: str, authorization: str, body: memoryview, rid: str) -> list:
+            rr = self.replicas.get(shard)
+            replica = rr.replica if isinstance(rr, ResidentReplica) and rr.alive else None
+            if replica is None:
+                raise Unavailable(f"no replica of shard {shard} serves on node {self.node_id}",
+                                  shard=shard, node=self.node_id)
+            try:
+                return await answer(replica, self.tokens, op, authorization, lambda: _ready(body))
+            except KvpsError as exc:
+                rejected(replica, op, rid, exc)
+                raise
+
+        return WireServer(dispatch, tokens=self.tokens, max_body=server.max_request_bytes,
+                          body_timeout=server.body_timeout, idle_timeout=server.idle_timeout,
+                          per_peer=server.max_connections_per_peer, name=f"node {self.node_id} wire")
 
     @property
     def token(self) -> str:
@@ -393,6 +415,11 @@ class Node:
                            ssl_context=self._server_ssl)
         await site.start()
         log.info("node %d: admin API on %s", self.node_id, me.admin_url)
+        if self.resident and self.cfg.server.wire:
+            self.wire = self._wire_server()
+            await self.wire.start(me.listen_host, self.cfg.wire_port(self.node_id), self._server_ssl)
+            log.info("node %d: wire data plane on %s:%d", self.node_id, me.host,
+                     self.cfg.wire_port(self.node_id))
         loop_task = schedule_task = None
         try:
             self.identity = await settle(self, replace=self.replace)
@@ -408,6 +435,8 @@ class Node:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.membership.stop()
             await self.snapshots.close()
+            if self.wire is not None:
+                await self.wire.close()
             await asyncio.gather(*(rr.stop() for rr in self.replicas.values()
                                    if isinstance(rr, ResidentReplica)), return_exceptions=True)
             await asyncio.to_thread(self._stop_replicas)
@@ -422,3 +451,7 @@ class Node:
         for rp in self.replicas.values():
             if isinstance(rp, ReplicaProcess) and rp.proc is not None:
                 stop_process(rp.proc, timeout=5.0)
+
+
+async def _ready(body: memoryview) -> memoryview:
+    return body

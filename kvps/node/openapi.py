@@ -29,6 +29,9 @@ REPLICA_VIEW = {
         "shard": _int, "node": _int, "alive": _bool, "pid": _opt_int, "restarts": _int,
         "role": {"enum": ["leader", "follower", "candidate", "unknown"]},
         "raft": _str, "data_url": _str, "term": _opt_int, "leader": _opt_int,
+        "wire": {**_str, "description": "host:port of its node's wire port, the binary data "
+                 "plane (kvps/delta/wire.py), while the node serves one; clients call the replica "
+                 "there instead of at data_url"},
         "won_by": {"enum": ["election", "transfer", "fast-failover", None],
                    "description": "how this replica won the leadership it holds: an election "
                    "(after a pre-vote majority), a transfer the previous leader asked for (a "

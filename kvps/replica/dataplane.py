@@ -34,7 +34,7 @@ from kvps.placement import DenseLayout
 from kvps.replica.metrics import CONTENT_TYPE
 from kvps.replica.replica import Replica
 
-__all__ = ["OPEN_ROUTES", "error_response", "make_app", "request_id_of"]
+__all__ = ["OPEN_ROUTES", "answer", "error_response", "make_app", "rejected", "request_id_of"]
 
 log = logging.getLogger("kvps.dataplane")
 
@@ -62,24 +62,10 @@ def make_app(replica: Replica, tokens: TokenStore) -> web.Application:
         op = request.match_info["op"]
         rid = request_id_of(request)
         try:
-            tokens.check(request.headers.get("Authorization"), op_role(op), op)
-            handler = HANDLERS.get(op)
-            if handler is None:
-                raise InvalidRequest(f"unknown operation {op!r}", op=op)
-            body = await _read_body(request, cfg.max_request_bytes, cfg.body_timeout)
-            req = frame.decode(body, max_raw_bytes=cfg.max_raw_bytes, kinds=(frame.KIND_REQUEST,))
-            meta, arrays, *codecs = await handler(replica, req)
-            codec = req.meta.get("accept_codec", "none")
-            if codec not in ("none", "lz4", "shuffle-lz4", "auto"):
-                codec = "none"
-            # a handler may choose per array (e.g. compress deltas, not raw weights)
-            parts = frame.encode_parts(frame.KIND_RESPONSE, meta, arrays,
-                                       codec=codecs[0] if codecs else codec)
+            parts = await answer(replica, tokens, op, request.headers.get("Authorization"),
+                                 lambda: _read_body(request, cfg.max_request_bytes, cfg.body_timeout))
         except KvpsError as exc:
-            replica.stats.rejected(type(exc).__name__)
-            if exc.http_status < 500 and exc.http_status != 421:
-                log.info("shard %d %s [%s] rejected: %s: %s", replica.shard, op, rid,
-                         type(exc).__name__, exc.message)
+            rejected(replica, op, rid, exc)
             return error_response(exc, rid)
         return await _send_parts(request, parts, rid)
 
@@ -122,6 +108,34 @@ def make_app(replica: Replica, tokens: TokenStore) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+async def answer(replica: Replica, tokens: TokenStore, op: str, authorization: str | None,
+                 body: Callable[[], Awaitable[bytes | memoryview]]) -> list:
+    """One operation, whatever carried it (HTTP here, a node's wire port: ``kvps.service.wire``):
+    the caller's role checked, ``body()`` read only then, the response frame's parts returned.
+    A refusal is raised as its ``KvpsError``."""
+    cfg = replica.cfg.server
+    tokens.check(authorization, op_role(op), op)
+    handler = HANDLERS.get(op)
+    if handler is None:
+        raise InvalidRequest(f"unknown operation {op!r}", op=op)
+    req = frame.decode(await body(), max_raw_bytes=cfg.max_raw_bytes, kinds=(frame.KIND_REQUEST,))
+    meta, arrays, *codecs = await handler(replica, req)
+    codec = req.meta.get("accept_codec", "none")
+    if codec not in ("none", "lz4", "shuffle-lz4", "auto"):
+        codec = "none"
+    # a handler may choose per array (e.g. compress deltas, not raw weights)
+    return frame.encode_parts(frame.KIND_RESPONSE, meta, arrays, codec=codecs[0] if codecs else codec)
+
+
+def rejected(replica: Replica, op: str, request_id: str, exc: KvpsError) -> None:
+    """Count a refused operation; log it unless it is routine (a 5xx is logged by its raiser, a
+    NotLeader is how clients find leaders)."""
+    replica.stats.rejected(type(exc).__name__)
+    if exc.http_status < 500 and exc.http_status != 421:
+        log.info("shard %d %s [%s] rejected: %s: %s", replica.shard, op, request_id,
+                 type(exc).__name__, exc.message)
 
 
 async def _read_body(request: web.Request, limit: int, timeout: float) -> bytes | memoryview:

@@ -321,7 +321,9 @@ def test_tls_for_client_and_admin_traffic(tmp_path, cluster_factory):
         async with kc.Client(c.endpoints, token=c.token, seed=0, ssl=ssl_arg, timeout=5) as ps:
             await ps.create("tls/w", np.zeros(4, np.float32))
             await ps.push({"tls/w": np.ones(4, np.float32)})
-            return (await ps.pull("tls/w"))["tls/w"], len(await ps.keys())
+            value, n = (await ps.pull("tls/w"))["tls/w"], len(await ps.keys())
+            assert ps.stats.wire_requests > 0  # the node's wire port, over TLS too
+            return value, n
 
     value, n = asyncio.run(main(str(ca_pem)))
     assert np.all(value == 1) and n == 1
