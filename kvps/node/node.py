@@ -5,7 +5,9 @@
 is restarted here alone and its status is read in-process); 0, one child process per replica
 (restarted when it exits; the node polls each one's ``/v1/status``). Either way restarts follow a capped back-off, and the node follows the metadata
 group's assignment (starting and retiring replicas as it changes) and serves the admin app
-(``kvps.node.admin``).
+(``kvps.node.admin``) and, with resident replicas, the wire port (``kvps.service.wire``).
+A little past the house's ~450 lines on purpose: supervision of both replica kinds stays in one
+place; the admin app, metadata, snapshots and the wire port already live in their own modules.
 """
 from __future__ import annotations
 
