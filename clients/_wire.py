@@ -115,6 +115,8 @@ class _Connection:
             return await answer
         finally:
             self._pending.pop(rid, None)  # a late answer (after a timeout) is dropped
+            if answer.done() and not answer.cancelled():
+                answer.exception()  # a loss seen while still writing: the write's error is raised
 
     async def _read_answers(self) -> None:
         try:

@@ -7,7 +7,7 @@ from pathlib import Path
 from kvps.config import load_cluster
 from kvps.node.node import Node
 from kvps.service.auth import TokenStore, admin_token
-from kvps.service.lifecycle import stop_event, tune_for_replicas
+from kvps.service.lifecycle import freeze_heap, stop_event, tune_for_replicas
 from kvps.service.tls import client_context, server_context
 
 __all__ = ["run_node"]
@@ -26,4 +26,5 @@ async def run_node(config: Path, node_id: int, *, replace: bool = False, bind: s
     node = Node(cfg, node_id, config, base / cfg.node(node_id).data_dir, TokenStore(token_file),
                 server_ssl=server_context(cfg, base), client_ssl=client_context(cfg, base), replace=replace,
                 zone=zone)
+    freeze_heap()  # start-up's objects: never walked by the collector again
     await node.run(stop_event())

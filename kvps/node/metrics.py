@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvps.service.lifecycle import GcCollector
+
 __all__ = ["NodeMetrics", "merge_expositions"]
 
 
@@ -21,6 +23,7 @@ class NodeMetrics:
                                 ("shard", "node"), registry=self.registry)
         self.replica_restarts = Counter("kvps_replica_restarts", "Replica processes restarted by the node",
                                         ("shard", "node"), registry=self.registry)
+        self.registry.register(GcCollector({"node": self.node, "process": "node"}))
 
     def expose(self) -> str:
         return generate_latest(self.registry).decode()

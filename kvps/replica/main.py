@@ -16,7 +16,7 @@ from kvps.service.connections import ConnectionLimits
 from kvps.service.tls import client_context, server_context
 from kvps.replica.dataplane import make_app
 from kvps.replica.replica import Replica
-from kvps.service.lifecycle import stop_event, tune_for_replicas
+from kvps.service.lifecycle import GcCollector, freeze_heap, stop_event, tune_for_replicas
 
 __all__ = ["run_replica"]
 
@@ -37,6 +37,8 @@ async def run_replica(config: Path, node_id: int, shard: int, peers: list[str] |
                               per_peer=cfg.server.max_connections_per_peer,
                               registry=replica.stats.metrics.registry, node=node_id,
                               server=f"shard-{shard}")
+    replica.stats.metrics.registry.register(GcCollector({"node": str(node_id), "process": f"shard-{shard}"}))
+    freeze_heap()
     app = make_app(replica, tokens)
     app.middlewares.insert(0, limits.middleware)
     runner = web.AppRunner(app, access_log=None, **limits.runner_kwargs())

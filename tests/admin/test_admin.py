@@ -84,6 +84,8 @@ def test_metrics_are_valid_prometheus_and_count_what_happened(cluster):
     assert value("kvps_is_leader", shard=str(shard)) == 1
     assert value("kvps_replica_up", node=str(leader_node)) == len(cluster.cfg.shards_on(leader_node))
     assert value("kvps_term", shard=str(shard)) >= 1
+    # the node process's collector clock (installed before start-up's heap was frozen)
+    assert value("kvps_gc_collections_total", node=str(leader_node), process="node", generation="2") >= 1
     # the client refused the wrong shape itself; a raw wrong-shape push reaches the server:
     bad = frame.encode(frame.KIND_REQUEST, {"client": "x", "seq": 1, "floor": 1,
                                             "dense": [{"key": "m/w", "block": 0, "array": 0}]},
