@@ -11,7 +11,8 @@ __all__ = ["format_status", "run"]
 
 
 def format_status(cmap: dict) -> str:
-    """One line per shard: leader, term, the worst follower lag, health, then every replica."""
+    """One line per shard: leader, term, the worst follower lag, health, then every replica; the
+    nodes' wire data-plane addresses; the nodes and how many shards are healthy."""
     lines = [f"{'shard':>5}  {'leader':>6}  {'term':>5}  {'lag':>5}  {'health':<9}  "
              f"replicas (node:role applied; R: recovering)"]
     degraded = 0
@@ -28,6 +29,10 @@ def format_status(cmap: dict) -> str:
                           f"{r.get('applied_index') or '-'}" for r in reps)
         lines.append(f"{shard['id']:>5}  {'-' if leader is None else leader['node']:>6}  "
                      f"{shard['term'] or 0:>5}  {lag if leader else '-':>5}  {health:<9}  {cells}")
+    # where each node serves the binary data plane (kvps.delta.wire), from its replicas' entries
+    wire = {r["node"]: r["wire"] for shard in cmap["shards"] for r in shard["replicas"] if r.get("wire")}
+    if wire:
+        lines.append("wire: " + ", ".join(f"node {n} {wire[n]}" for n in sorted(wire)))
     nodes = ", ".join(f"{n['id']}:{'up' if n['reachable'] else 'DOWN'}"
                       + (f" ({n['state']})" if n.get("state", "active") != "active" else "")
                       for n in cmap["nodes"] if n.get("state") != "removed")

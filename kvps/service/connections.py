@@ -10,7 +10,8 @@ address can hold thousands of descriptors. Two limits, both in ``[server]`` of `
 - ``max_connections_per_peer``: connections open at once from one remote IP; one more is answered
   ``429 Overloaded`` (retryable) and closed as soon as it is accepted.
 
-Counted in three series labelled ``node`` and ``server`` (``admin`` or ``shard-<s>``):
+Counted in three series labelled ``node`` and ``server`` (``admin``, ``shard-<s>``, or ``wire``
+for a node's wire port, ``kvps.service.wire``, which applies the same two limits itself):
 ``kvps_connections_open``, ``kvps_connections_refused_total``, ``kvps_connections_idle_closed_total``.
 Only public aiohttp hooks are used: the ``Server``'s ``connection_made`` / ``connection_lost``
 (each ``RequestHandler`` reports to them) and a middleware marking requests in progress.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import weakref
 from collections import Counter as Tally
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvps.errors import Overloaded
 
-__all__ = ["ConnectionLimits"]
+__all__ = ["ConnectionLimits", "connection_series"]
 
 log = logging.getLogger("kvps.connections")
 
@@ -41,6 +43,25 @@ class _Conn:
     peer: str
     last_active: float
     in_flight: int = 0
+
+
+_SERIES: "weakref.WeakKeyDictionary[CollectorRegistry, tuple]" = weakref.WeakKeyDictionary()
+
+
+def connection_series(registry: CollectorRegistry, node: int, server: str) -> tuple[Any, Any, Any]:
+    """The ``open`` gauge and the ``refused`` and ``idle_closed`` counters of one server, labelled
+    ``node`` and ``server``; the families are made once per registry, so every server of a
+    process (the admin port, the wire port) shows in the same three series."""
+    families = _SERIES.get(registry)
+    if families is None:
+        families = _SERIES[registry] = (
+            Gauge("kvps_connections_open", "Connections open on this server", ("node", "server"),
+                  registry=registry),
+            Counter("kvps_connections_refused", "Connections refused by the per-peer cap",
+                    ("node", "server"), registry=registry),
+            Counter("kvps_connections_idle_closed", "Connections closed after idle_timeout with no "
+                    "request", ("node", "server"), registry=registry))
+    return tuple(f.labels(node=str(node), server=server) for f in families)  # type: ignore[return-value]
 
 
 class ConnectionLimits:
@@ -56,14 +77,7 @@ class ConnectionLimits:
         self._peers: Tally[str] = Tally()
         self._conns: dict[Any, _Conn] = {}  # the aiohttp RequestHandler of each admitted connection
         self._refused_logged = float("-inf")
-        labels = {"node": str(node), "server": server}
-        self.open = Gauge("kvps_connections_open", "Connections open on this server",
-                          ("node", "server"), registry=registry).labels(**labels)
-        self.refused = Counter("kvps_connections_refused", "Connections refused by the per-peer cap",
-                               ("node", "server"), registry=registry).labels(**labels)
-        self.idle_closed = Counter("kvps_connections_idle_closed", "Connections closed after "
-                                   "idle_timeout with no request", ("node", "server"),
-                                   registry=registry).labels(**labels)
+        self.open, self.refused, self.idle_closed = connection_series(registry, node, server)
         @web.middleware
         async def track(request: web.Request, handler: Any) -> web.StreamResponse:
             return await self._track(request, handler)

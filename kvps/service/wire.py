@@ -12,6 +12,8 @@ within its recheck interval); a body past ``max_body`` is refused before it is r
 arrive within ``body_timeout`` of its header; a connection with nothing in flight closes after
 ``idle_timeout``; one remote address may hold ``per_peer`` connections; a connection stops reading
 while ``max_inflight`` of its requests are running (back-pressure instead of an unbounded queue).
+With ``series`` (``kvps.service.connections.connection_series``) the open, refused and idle-closed
+connections are counted in the same ``kvps_connections_*`` series as the HTTP servers'.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import logging
 import ssl as ssl_
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +42,8 @@ Dispatch = Callable[[int, str, str, memoryview, str], Awaitable[list]]
 
 class WireServer:
     def __init__(self, dispatch: Dispatch, *, tokens: TokenStore, max_body: int, body_timeout: float,
-                 idle_timeout: float, per_peer: int, max_inflight: int = 64, name: str = "wire") -> None:
+                 idle_timeout: float, per_peer: int, max_inflight: int = 64, name: str = "wire",
+                 series: tuple[Any, Any, Any] | None = None) -> None:
         self.dispatch = dispatch
         self.tokens = tokens
         self.max_body = max_body
@@ -48,6 +52,7 @@ class WireServer:
         self.per_peer = per_peer
         self.max_inflight = max_inflight
         self.name = name
+        self.open, self.refused, self.idle_closed = series or (_NoSeries(),) * 3
         self.peers: Counter[str] = Counter()
         self.connections: set[_Connection] = set()
         self.requests = 0
@@ -71,6 +76,14 @@ class WireServer:
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
+
+
+class _NoSeries:
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def dec(self, amount: float = 1) -> None:
+        pass
 
 
 _HELLO, _TOKEN, _HEAD, _OP, _BODY, _DISCARD = range(6)
@@ -97,6 +110,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._paused_reading = False
         self._write_ready: asyncio.Future | None = None
         self._closing = False
+        self._admitted = False  # counted as open (not refused by the per-peer cap)
 
     # -- connection events ----------------------------------------------------------------------
 
@@ -107,9 +121,12 @@ class _Connection(asyncio.BufferedProtocol):
         self.server.connections.add(self)
         self.server.peers[self.peer] += 1
         if self.server.peers[self.peer] > self.server.per_peer:
+            self.server.refused.inc()
             self._fail(0, Overloaded(f"too many connections from {self.peer}",
                                      limit=self.server.per_peer))
             return
+        self._admitted = True
+        self.server.open.inc()
         self._arm(self.server.body_timeout, "hello")
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -118,6 +135,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.server.peers[self.peer] -= 1
         if self.server.peers[self.peer] <= 0:
             del self.server.peers[self.peer]
+        if self._admitted:
+            self._admitted = False
+            self.server.open.dec()
         self._disarm()
         if self._write_ready is not None and not self._write_ready.done():
             self._write_ready.set_result(None)
@@ -278,6 +298,7 @@ class _Connection(asyncio.BufferedProtocol):
         if what == "idle":
             if not self.tasks and self.transport is not None:
                 self._closing = True
+                self.server.idle_closed.inc()
                 self.transport.close()
             return
         exc = Timeout(f"request {what} not received within {self.server.body_timeout}s")

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 
 import kvps_client as kc
 from kvps.delta import wire
 from kvps.errors import ConnectError, InvalidRequest, KvpsError, RequestTooLarge, Unauthorized
 from kvps.service.auth import TokenStore
+from kvps.service.connections import connection_series
 from kvps.service.wire import WireServer
 from kvps_client._wire import WireTransport
 
@@ -246,20 +248,53 @@ def test_a_body_that_never_arrives_times_out(tmp_path):
     asyncio.run(main())
 
 
-def test_connections_per_peer_are_capped(tmp_path):
+def _series_value(registry: CollectorRegistry, name: str) -> float:
+    return registry.get_sample_value(name, {"node": "4", "server": "wire"})
+
+
+def test_connections_per_peer_are_capped_and_counted(tmp_path):
+    registry = CollectorRegistry()
+
     async def main():
-        server, port = await _server(tmp_path, Stand(), per_peer=2)
+        server, port = await _server(tmp_path, Stand(), per_peer=2,
+                                     series=connection_series(registry, 4, "wire"))
         held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
         try:
+            await until(lambda: _series_value(registry, "kvps_connections_open") == 2, "two open")
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             length, rid, status = wire.RESPONSE.unpack(await reader.readexactly(wire.RESPONSE.size))
             assert (rid, status) == (0, 429)
             assert json.loads(await reader.readexactly(length))["error"] == "Overloaded"
             assert await reader.read() == b""  # and closed
             writer.close()
+            assert _series_value(registry, "kvps_connections_refused_total") == 1
+            assert _series_value(registry, "kvps_connections_open") == 2  # the refused one never counted
         finally:
             for _, writer in held:
                 writer.close()
+            await until(lambda: _series_value(registry, "kvps_connections_open") == 0, "all closed")
+            await server.close()
+    asyncio.run(main())
+
+
+def test_an_idle_connection_is_closed_and_counted(tmp_path):
+    registry = CollectorRegistry()
+
+    async def main():
+        server, port = await _server(tmp_path, Stand(), idle_timeout=0.2,
+                                     series=connection_series(registry, 4, "wire"))
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(wire.encode_hello(TOKEN))
+            length, _, status = wire.RESPONSE.unpack(await reader.readexactly(wire.RESPONSE.size))
+            assert status == 200
+            await reader.readexactly(length)
+            assert await reader.read() == b""  # closed by the server once idle_timeout passed
+            writer.close()
+            await until(lambda: _series_value(registry, "kvps_connections_open") == 0, "closed")
+            assert _series_value(registry, "kvps_connections_idle_closed_total") == 1
+            assert _series_value(registry, "kvps_connections_refused_total") == 0
+        finally:
             await server.close()
     asyncio.run(main())
 

@@ -1,4 +1,4 @@
-"""The command line against a real cluster: status table and --json, exit codes."""
+"""The command line against a real cluster: status table (with the wire ports) and --json, exit codes."""
 from __future__ import annotations
 
 import json
@@ -26,7 +26,8 @@ def test_status_table_json_and_unreachable_endpoint(cluster_factory):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split()[:5] == ["shard", "leader", "term", "lag", "health"]
-    assert len(lines) == 2 + 2 and "2/2 shards healthy" in lines[-1]
+    assert len(lines) == 1 + 2 + 2 and "2/2 shards healthy" in lines[-1]
+    assert lines[-2] == "wire: " + ", ".join(f"node {n.id} {n.host}:{c.cfg.wire_port(n.id)}" for n in c.cfg.nodes)
     js = kvps("status", "--endpoint", c.endpoints[1], "--json", "--token", "status-reader")
     cmap = json.loads(js.stdout)
     assert [s["id"] for s in cmap["shards"]] == [0, 1]

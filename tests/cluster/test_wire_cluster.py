@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvps_client as kc
-from conftest import module_cluster
+from conftest import module_cluster, wait_for
 from kvps.delta import frame, wire
 from kvps.placement import block_shard
 
@@ -101,3 +101,27 @@ def test_hostile_requests_on_the_wire_port_change_nothing(cluster):
         async with kc.Client(cluster.endpoints, token=cluster.token, seed=3) as ps:
             return (await ps.pull("wire/h"))["wire/h"]
     assert np.array_equal(asyncio.run(after()), before)  # state untouched, nodes still serving
+
+
+def _open_wire_connections(cluster) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    total = 0.0
+    for url in cluster.endpoints:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        total += sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                     if s.name == "kvps_connections_open" and s.labels.get("server") == "wire")
+    return total
+
+
+def test_wire_connections_show_in_the_nodes_metrics(cluster):
+    before = _open_wire_connections(cluster)
+
+    async def main():
+        async with kc.Client(cluster.endpoints, token=cluster.token, seed=4) as ps:
+            await ps.keys()  # every shard's leader: one wire connection per node that leads one
+            return _open_wire_connections(cluster), len({ps.cluster_map.wire[ps.cluster_map.leaders[s]][:2]
+                                                         for s in range(cluster.cfg.shards)})
+    during, nodes = asyncio.run(main())
+    assert during == before + nodes
+    wait_for(lambda: _open_wire_connections(cluster) == before, 10, "the nodes to count the client's close")
