@@ -4,9 +4,11 @@
 One connection per node, opened on first use with the token in its hello, shared by every call
 of the client: requests are written as they come, each with an id, and answered in any order, so
 the calls of a multi-shard push to one node travel together on one connection instead of one
-HTTP exchange each. A request's frame goes out as its parts (``Body``), never joined. A failure to
-get an answer is ``ConnectError``, as with ``HttpTransport``, and the connection is opened again
-by the next request.
+HTTP exchange each. A request's frame goes out as its parts (``Body``), never joined; an answer
+is received straight into a buffer of its size and handed over as a read-only view of it (a
+pulled block is a view of that buffer: no copy between the socket and the caller's arrays but the
+kernel's). A failure to get an answer is ``ConnectError``, as with ``HttpTransport``, and the
+connection is opened again by the next request.
 """
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ import asyncio
 import itertools
 import ssl as ssl_
 
+import numpy as np
+
 from kvps.delta import wire
-from kvps.errors import ConnectError, KvpsError
+from kvps.errors import ConnectError
 
 from ._transport import Body
 
@@ -41,8 +45,9 @@ class WireTransport:
         await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
 
     async def request(self, address: tuple[str, int, bool], shard: int, op: str, body: Body | bytes, *,
-                      timeout: float, tag: str = "") -> tuple[int, bytes]:
-        """``op`` on ``shard`` of the node at ``address`` (host, port, tls): (status, body).
+                      timeout: float, tag: str = "") -> tuple[int, bytes | memoryview]:
+        """``op`` on ``shard`` of the node at ``address`` (host, port, tls): (status, body), the
+        body a read-only ``memoryview`` when the status is 200, else the error's JSON as ``bytes``.
         ``tag``: the request's name in the node's log (``kvps.delta.wire``)."""
         where = f"kvps://{address[0]}:{address[1]}"
         try:
@@ -68,38 +73,103 @@ class WireTransport:
     async def _connect(self, address: tuple[str, int, bool]) -> "_Connection":
         host, port, tls = address
         context = (self._ssl or ssl_.create_default_context()) if tls else None
+        loop = asyncio.get_running_loop()
         async with asyncio.timeout(self._connect_timeout):
-            reader, writer = await asyncio.open_connection(host, port, ssl=context)
+            _, conn = await loop.create_connection(_Connection, host, port, ssl=context)
             try:
-                writer.write(wire.encode_hello(self._token))
-                length, _, status = wire.RESPONSE.unpack(await reader.readexactly(wire.RESPONSE.size))
-                answer = await reader.readexactly(length)
+                status, answer = await conn.hello(self._token)
             except BaseException:
-                writer.close()
+                conn.abort()
                 raise
         if status != 200:
-            writer.close()
+            conn.abort()
             from ._sender import error_from_response
-            raise error_from_response(status, answer)
-        conn = _Connection(reader, writer)
+            raise error_from_response(status, bytes(answer))
         self._conns[address] = conn
         return conn
 
 
-class _Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader = reader
-        self._writer = writer
+_HEAD, _BODY = 0, 1
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One connection to a node's wire port. Answers are received straight into buffers of their
+    declared size (``BufferedProtocol``: the kernel copies into them, nothing copies them again
+    before the frame decoder reads them); a 200 answer is a read-only ``memoryview`` of its
+    buffer (the pulled arrays are views of it), an error's JSON is ``bytes``. Requests are
+    written as they come (pipelined, with ids); answers come back in any order."""
+
+    def __init__(self) -> None:
+        self._transport: asyncio.Transport | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._failed: BaseException | None = None
-        self._task = asyncio.get_running_loop().create_task(self._read_answers())
+        self._state = _HEAD
+        self._head = memoryview(bytearray(wire.RESPONSE.size))
+        self._want = self._head
+        self._got = 0
+        self._answer: tuple[int, int] = (0, 0)  # (rid, status) of the answer being received
+        self._body: np.ndarray | None = None
+        self._can_write: asyncio.Future | None = None
+
+    # -- asyncio's side -----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost(exc or ConnectionResetError("closed by the node"))
+
+    def pause_writing(self) -> None:
+        if self._can_write is None or self._can_write.done():
+            self._can_write = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._can_write is not None and not self._can_write.done():
+            self._can_write.set_result(None)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._want[self._got:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._got += nbytes
+        if self._got < len(self._want):
+            return
+        if self._state == _HEAD:
+            length, rid, status = wire.RESPONSE.unpack(self._head)
+            self._answer = (rid, status)
+            if length:
+                self._body = np.empty(length, np.uint8)
+                self._expect(_BODY, memoryview(self._body))
+                return
+            self._deliver(b"")
+        else:
+            body, self._body = self._body, None
+            assert body is not None
+            if self._answer[1] == 200:
+                body.flags.writeable = False
+                self._deliver(memoryview(body))
+            else:
+                self._deliver(body.tobytes())
+        self._expect(_HEAD, self._head)
+
+    def eof_received(self) -> bool | None:
+        return None  # close: a node only ends a connection it will not answer on any more
+
+    # -- ours -----------------------------------------------------------------------------------
 
     @property
     def usable(self) -> bool:
-        return self._failed is None and not self._writer.is_closing()
+        return self._failed is None and self._transport is not None and not self._transport.is_closing()
 
-    async def request(self, shard: int, op: str, body: Body | bytes, tag: str) -> tuple[int, bytes]:
+    async def hello(self, token: str) -> tuple[int, bytes | memoryview]:
+        """The hello and the node's answer to it (id 0)."""
+        answer = asyncio.get_running_loop().create_future()
+        self._pending[0] = answer
+        self._write([wire.encode_hello(token)])
+        return await answer
+
+    async def request(self, shard: int, op: str, body: Body | bytes, tag: str) -> tuple[int, bytes | memoryview]:
         if self._failed is not None:
             raise ConnectionResetError(f"connection lost: {self._failed}")
         parts = body.parts if isinstance(body, Body) else (bytes(body),)
@@ -108,43 +178,44 @@ class _Connection:
         answer = asyncio.get_running_loop().create_future()
         self._pending[rid] = answer
         try:
-            self._writer.write(head)
-            for part in parts:  # no await in between: requests never interleave
-                self._writer.write(part)
-            await self._writer.drain()
+            self._write([head, *parts])  # at once, no await in between: requests never interleave
+            if self._can_write is not None and not self._can_write.done():
+                await asyncio.shield(self._can_write)  # the node reads slower than we write
             return await answer
         finally:
             self._pending.pop(rid, None)  # a late answer (after a timeout) is dropped
             if answer.done() and not answer.cancelled():
                 answer.exception()  # a loss seen while still writing: the write's error is raised
 
-    async def _read_answers(self) -> None:
-        try:
-            while True:
-                length, rid, status = wire.RESPONSE.unpack(await self._reader.readexactly(wire.RESPONSE.size))
-                data = await self._reader.readexactly(length) if length else b""
-                answer = self._pending.get(rid)
-                if answer is not None and not answer.done():
-                    answer.set_result((status, data))
-        except (OSError, EOFError, asyncio.IncompleteReadError, ssl_.SSLError, KvpsError) as exc:
-            self._lost(exc)
-        except asyncio.CancelledError:
-            self._lost(ConnectionResetError("closed"))
-            raise
+    def _write(self, parts: list) -> None:
+        if self._transport is None or self._transport.is_closing():
+            raise ConnectionResetError(f"connection lost: {self._failed or 'closed'}")
+        self._transport.writelines(parts)
+
+    def _expect(self, state: int, buf: memoryview) -> None:
+        self._state, self._want, self._got = state, buf, 0
+
+    def _deliver(self, data: bytes | memoryview) -> None:
+        rid, status = self._answer
+        answer = self._pending.get(rid)
+        if answer is not None and not answer.done():
+            answer.set_result((status, data))
 
     def _lost(self, exc: BaseException) -> None:
-        self._failed = exc
+        if self._failed is None:
+            self._failed = exc
         for answer in self._pending.values():
             if not answer.done():
                 answer.set_exception(ConnectionResetError(f"connection lost: {exc}"))
         self._pending.clear()
-        self._writer.close()
+        if self._can_write is not None and not self._can_write.done():
+            self._can_write.set_result(None)
+        if self._transport is not None:
+            self._transport.close()
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
 
     async def close(self) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        self._writer.close()
-        try:
-            await self._writer.wait_closed()
-        except (OSError, ssl_.SSLError):
-            pass
+        self._lost(ConnectionResetError("closed"))

@@ -108,8 +108,8 @@ async def until(cond, what: str, timeout: float = 5.0) -> None:
             await asyncio.sleep(0)
 
 
-def _answer(data: bytes) -> tuple[list, bytes]:
-    head, _, body = data.partition(b"|")
+def _answer(data: bytes | memoryview) -> tuple[list, bytes]:
+    head, _, body = bytes(data).partition(b"|")
     return json.loads(head), body
 
 
@@ -386,6 +386,29 @@ def test_a_plain_bytes_body_is_sent_whole(tmp_path):
                 status, data = await client.request(where, 1, "keys", body, timeout=5)
                 assert status == 200 and _answer(data)[1] == bytes(body)
             assert len(client._conns) == 1
+        finally:
+            await client.close()
+            await server.close()
+    asyncio.run(main())
+
+
+def test_large_answers_arrive_whole_into_read_only_buffers_of_their_own(tmp_path):
+    """Bodies past the sockets' buffers (the client pauses writing, the answer arrives in many
+    reads), pipelined: each answer lands in its own buffer, handed over as a read-only view."""
+    async def main():
+        server, port = await _server(tmp_path, Stand(), max_body=64 << 20)
+        client = WireTransport(TOKEN)
+        where = ("127.0.0.1", port, False)
+        rng = np.random.default_rng(11)
+        bodies = [rng.integers(0, 255, n, dtype=np.uint8) for n in (9 << 20, 1, 3 << 20 | 5)]
+        try:
+            answers = await asyncio.gather(*(client.request(where, 0, "pull", kc.Body([b]), timeout=30)
+                                             for b in bodies))
+            for body, (status, data) in zip(bodies, answers):
+                assert status == 200 and isinstance(data, memoryview) and data.readonly
+                assert _answer(data)[1] == body.tobytes()
+            status, data = await client.request(where, 0, "fail", kc.Body([b"x"]), timeout=5)
+            assert status == 400 and isinstance(data, bytes)  # an error's JSON: plain bytes
         finally:
             await client.close()
             await server.close()
