@@ -36,7 +36,7 @@ from kvps.optimizer import Add, clipped, optimizer_to_dict
 from kvps.placement import DenseLayout, block_shard, layout_for
 
 from . import _table_rows, _transfer
-from ._convert import check_shape, to_host, to_numpy
+from ._convert import check_shape, to_host, to_numpy, writable_view
 from ._dense import DenseCache, chunks, create_keys_request, key_batches, split_blocks
 from ._hyper import set_hyperparams
 from ._lossy import LossyEncoder
@@ -362,16 +362,43 @@ class Client:
         return self._seq
 
     async def pull(self, keys: Iterable[str] | str, *, consistency: str | None = None,
-                   min_version: int | Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+                   min_version: int | Mapping[str, int] | None = None,
+                   out: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Current values of ``keys``. Only blocks whose version changed since this client last
         pulled them cross the wire. ``consistency="follower"`` with ``min_version`` (a version
         ``push`` or ``set`` returned) reads from any replica that has applied it: on each shard,
         the shard's own version of the key as a push there returned it, or all the shard's leader
         has where that is lower (the version came from another shard). ``VersionNotIssued`` at
-        once if no shard has issued it."""
+        once if no shard has issued it.
+
+        ``out``: ``{key: array}`` (numpy arrays or CPU tensors of the key's shape and dtype) to
+        write those keys' values into, straight from the received blocks, instead of into new
+        arrays; the result then holds the given objects for them. Checked before anything is
+        sent: nothing is written unless every target fits."""
         keys = [keys] if isinstance(keys, str) else list(keys)
+        targets = await self._pull_targets(keys, out) if out else {}
         caches = await self._pull_caches(keys, consistency, min_version)
-        return {key: caches[key].assemble() for key in keys}
+        result: dict[str, Any] = {}
+        for key in keys:
+            if key in targets:
+                caches[key].assemble(out=targets[key])
+                result[key] = out[key]  # type: ignore[index]
+            else:
+                result[key] = caches[key].assemble()
+        return result
+
+    async def _pull_targets(self, keys: list[str], out: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """``out``'s values as writable numpy views, each checked against its key."""
+        if stray := sorted(set(out) - set(keys)):
+            raise InvalidRequest(f"out names keys not pulled: {stray[:5]}", field="out")
+        await self._describe_many(list(out))
+        targets = {}
+        for key, target in out.items():
+            info, _ = await self._layout(key)
+            arr = writable_view(target, name=key)
+            check_shape(key, arr, tuple(info["shape"]), info["dtype"])
+            targets[key] = arr
+        return targets
 
     async def pull_blocks(self, keys: Iterable[str], *, consistency: str | None = None,
                           min_version: int | Mapping[str, int] | None = None,

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvps.errors import InvalidRequest, ShapeMismatch
 
-__all__ = ["check_shape", "device_to_host", "host_values", "to_host", "to_numpy"]
+__all__ = ["check_shape", "device_to_host", "host_values", "to_host", "to_numpy", "writable_view"]
 
 
 def _torch() -> Any:
@@ -65,6 +65,27 @@ def _cpu_numpy(t: Any, name: str) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.float().numpy()  # exact: a bfloat16 is the top half of a float32
     return t.resolve_conj().resolve_neg().numpy()
+
+
+def writable_view(value: Any, *, name: str = "value") -> np.ndarray:
+    """``value`` (a numpy array or a CPU tensor) as a numpy array sharing its memory, to write into;
+    ``InvalidRequest`` for anything that cannot be written in place (a read-only array, a CUDA or
+    bfloat16 tensor: pull those into a host array and copy, as ``PSModule`` does)."""
+    if isinstance(value, np.ndarray):
+        if not value.flags.writeable:
+            raise InvalidRequest(f"{name}: the array to pull into is read-only", key=name)
+        return value
+    torch = _torch()
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.device.type != "cpu" or value.layout != torch.strided or value.dtype == torch.bfloat16:
+            raise InvalidRequest(f"{name}: pull writes into numpy arrays and strided CPU tensors numpy can "
+                                 f"view, not a {value.dtype} tensor on {value.device}", key=name)
+        try:
+            return value.detach().numpy()
+        except RuntimeError as exc:  # a conjugate or negative view, say
+            raise InvalidRequest(f"{name}: cannot pull into this tensor in place: {exc}", key=name) from None
+    raise InvalidRequest(f"{name}: expected a numpy array or a torch tensor to pull into, got "
+                         f"{type(value).__name__}", key=name)
 
 
 def device_to_host(t: Any) -> tuple[Any, Any]:

@@ -22,8 +22,10 @@ class DenseCache:
         self.blocks: list[np.ndarray | None] = [None] * layout.n_blocks
         self.versions: list[int | None] = [None] * layout.n_blocks
 
-    def assemble(self) -> np.ndarray:
-        out = np.empty(self.layout.shape, dtype=np.dtype(self.layout.dtype))
+    def assemble(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The key's value from its blocks: into ``out`` (of the key's shape and dtype) or a new array."""
+        if out is None:
+            out = np.empty(self.layout.shape, dtype=np.dtype(self.layout.dtype))
         if out.ndim == 0:
             out[()] = self.blocks[0]
             return out

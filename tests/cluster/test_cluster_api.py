@@ -95,6 +95,40 @@ def test_torch_tensors_in_numpy_out(cluster):
     np.testing.assert_array_equal(run(main()), np.arange(10, dtype=np.float32) - 1)
 
 
+def test_pull_into_the_callers_arrays_and_tensors(cluster):
+    rng = np.random.default_rng(21)
+    w = rng.standard_normal((1024, 768)).astype(np.float32)  # 3 MiB: blocks on several shards
+    b = rng.standard_normal(7).astype(np.float32)
+
+    async def main():
+        async with client(cluster) as ps:
+            await ps.create("into/w", w)
+            await ps.create("into/b", b)
+            mine, tensor = np.zeros_like(w), torch.zeros(7)
+            got = await ps.pull(["into/w", "into/b"], out={"into/w": mine, "into/b": tensor})
+            assert got["into/w"] is mine and got["into/b"] is tensor
+            np.testing.assert_array_equal(mine, w)
+            np.testing.assert_array_equal(tensor.numpy(), b)
+            await ps.push({"into/w": np.ones_like(w)})
+            await ps.pull("into/w", out={"into/w": mine})  # only the changed blocks cross; all land
+            np.testing.assert_array_equal(mine, w + 1)
+            fresh = (await ps.pull("into/w"))["into/w"]
+            assert fresh is not mine and np.array_equal(fresh, mine)
+            # targets that cannot take the value are refused before anything is written
+            wrong, fits = np.full((1024, 767), 5, np.float32), np.zeros(7, np.float32)
+            with pytest.raises(kc.ShapeMismatch):
+                await ps.pull(["into/w", "into/b"], out={"into/b": fits, "into/w": wrong})
+            assert np.all(wrong == 5) and not fits.any()
+            frozen = np.zeros_like(w)
+            frozen.flags.writeable = False
+            for bad in ({"into/w": frozen}, {"into/w": torch.zeros((1024, 768), dtype=torch.bfloat16)},
+                        {"into/w": [0.0]}, {"elsewhere": np.zeros(3)}):
+                with pytest.raises(kc.InvalidRequest):
+                    await ps.pull("into/w", out=bad)
+            assert not frozen.any()
+    run(main())
+
+
 def test_errors_are_typed_and_change_nothing(cluster):
     async def main():
         async with client(cluster) as ps:
