@@ -190,7 +190,8 @@ class _Connection(asyncio.BufferedProtocol):
     def _write(self, parts: list) -> None:
         if self._transport is None or self._transport.is_closing():
             raise ConnectionResetError(f"connection lost: {self._failed or 'closed'}")
-        self._transport.writelines(parts)
+        for part in parts:  # not writelines: on Python 3.11 it joins the parts, a copy of the request
+            self._transport.write(part)
 
     def _expect(self, state: int, buf: memoryview) -> None:
         self._state, self._want, self._got = state, buf, 0

@@ -3,6 +3,8 @@
 The model is ``tensors`` dense float32 tensors of ``tensor_bytes`` each (64 × 1 MiB by default).
 One *step* = pull every tensor + push one gradient per tensor; there is no compute in between, so
 the figure is the communication ceiling of each system. Steps/s are summed over the workers.
+A kvps worker pulls into its parameter arrays (``pull(..., out=)``), a Redis worker views the
+bytes it got (``np.frombuffer``), an RPC worker keeps the tensors it was sent.
 
 This module holds the kvps worker and the single-process in-memory baseline; the peers live in
 ``redis_peer`` and ``rpc_peer`` and follow the same shape (a module-level ``*_worker(rank, ...)``
@@ -62,10 +64,10 @@ def kvps_worker(rank: int, endpoints: list[str], token: str, model: Model,
     loop = asyncio.new_event_loop()
     client = kc.Client(endpoints, token=token, seed=rank, timeout=60, **client_options)
     loop.run_until_complete(client.open())
-    loop.run_until_complete(client.pull(names))  # layouts and a first full copy
+    params = loop.run_until_complete(client.pull(names))  # layouts and a first full copy
 
     async def step() -> None:
-        await client.pull(names)
+        await client.pull(names, out=params)  # into the worker's parameters, as a training loop does
         await client.push(grads)
 
     def run(window: Window) -> StepWindow:
