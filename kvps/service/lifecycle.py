@@ -54,8 +54,9 @@ gc_clock = GcClock()
 
 
 class GcCollector:
-    """``gc_clock`` as Prometheus counters labelled ``node`` and ``generation`` (register it in a
-    process's registry; the figures are the process's, whatever registry shows them)."""
+    """``gc_clock`` as Prometheus counters labelled with ``labels`` (a process's ``node`` and
+    ``process``) and ``generation``; register it in one registry of the process: the figures are
+    the whole process's, whatever registry shows them."""
 
     def __init__(self, labels: dict[str, str]) -> None:
         self._labels = labels
