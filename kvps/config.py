@@ -94,6 +94,10 @@ class RaftConfig:
     # whole segments, and 64 MiB ones held up to 96 MiB of log per replica (and their
     # preallocation showed as 180 MiB of page cache per B1 step) where 16 MiB ones hold ~48.
     journal_segment_bytes: int = 16 * MiB
+    # An entry's command leaves memory once it is applied and every follower has it (the journal
+    # holds it; kvps/raft/log_memory.py); a leader holding more than this of commands some
+    # follower still lacks releases them anyway, and serves that follower from its journal.
+    log_memory_bytes: int = 64 * MiB
 
     @property
     def quiet_period(self) -> float:
@@ -103,7 +107,8 @@ class RaftConfig:
     def validate(self) -> "RaftConfig":
         _positive(self, "election_timeout_min", "heartbeat_period", "leader_fallback_timeout",
                   "connection_timeout", "max_command_bytes", "max_frame_bytes", "compact_bytes",
-                  "compact_entries", "queue_size", "fsync_interval", "compact_ratio")
+                  "compact_entries", "queue_size", "fsync_interval", "compact_ratio",
+                  "log_memory_bytes")
         if self.fsync not in FSYNC_POLICIES:
             raise ConfigError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, not {self.fsync!r}",
                               field="fsync")

@@ -18,6 +18,9 @@ Log compaction and durability:
   with the segment's epoch), reading the log back at open (torn tail, damage).
 * ``segment_pool`` -- segments in use and in reserve: retiring, freeing and preparing them on
   a worker thread.
+* ``log_memory`` -- the commands the log holds in memory: released to the journal once applied
+  and held by every follower, read back for a follower that lags.
+* ``released`` -- ``Released``, the placeholder of a released command; pure.
 * ``journal_file`` -- the single-file journal of earlier kvps versions, read once to move it
   into segments.
 * ``meta_file`` -- term, vote and commit index, in two slots overwritten in place.

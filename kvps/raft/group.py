@@ -229,6 +229,8 @@ class ShardGroup(SyncObj):
                 self.addOnTickCallback(self._quiet.after_tick)
             if self._recovery.active:
                 self.addOnTickCallback(self._check_recovered)
+            if hasattr(internals.raft_log(self), "release_to"):  # ours, not a MemoryJournal
+                self.addOnTickCallback(self._release_log)
             if ticker is not None:
                 transport.deferring_bind = False  # its first ticks bind the Raft port
                 self._group_poller = poller
@@ -345,6 +347,19 @@ class ShardGroup(SyncObj):
             self._reserve_segments()
         return result
 
+    def _release_log(self) -> None:
+        """After each tick: let the journal drop the payloads nobody needs in memory any more
+        (``kvps.raft.log_memory``): applied here and, on a leader, held by every follower, unless
+        the commands held pass ``log_memory_bytes``; a follower lacking a released one is then
+        served from the journal."""
+        log = internals.raft_log(self)
+        upto = self.raftLastApplied
+        if internals.is_leader(self) and log.held_bytes <= self._raft.log_memory_bytes:
+            matches = internals.match_indexes(self)
+            if matches:
+                upto = min(upto, min(matches.values()))
+        log.release_to(upto)
+
     def _reserve_segments(self) -> None:
         """Size the journal's segment pool for the log it will hold at its longest, once it first
         reaches a compaction: the log of a compaction interval before one is forced, another
@@ -455,6 +470,8 @@ class ShardGroup(SyncObj):
             "commit_index": self.raftCommitIndex,
             "applied_index": self.raftLastApplied,
             "log_entries": internals.log_size(self),
+            # commands the log holds in memory (bytes), and those released to the journal only
+            "log_memory": self._log_memory(),
             "compactions": dict(self._compaction.counters),
             "tick_stalls": dict(self.tick_stalls),
             "fast_failovers": self._failover.scheduled,  # elections scheduled: the leader was gone
@@ -468,6 +485,14 @@ class ShardGroup(SyncObj):
             # caught up once with a leader's commit index, and a leader is known now
             "ready": bool(self.isReady()) and leader is not None,
         }
+
+    def _log_memory(self) -> dict[str, int] | None:
+        log = internals.raft_log(self)
+        if not hasattr(log, "release_to"):
+            return None
+        return {"held_bytes": log.held_bytes, "released_entries": log.released["entries"],
+                "released_bytes": log.released["bytes"], "read_back_entries": log.reads["entries"],
+                "read_back_bytes": log.reads["bytes"]}
 
     # -- lifecycle ----------------------------------------------------------------------------
 

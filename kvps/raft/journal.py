@@ -1,12 +1,10 @@
 """Our Raft journal (pysyncobj's ``journalFile``): checksummed records in preallocated, recycled
 segments and an explicit fsync policy, installed in place of pysyncobj's ``FileJournal``.
 
-Why not ``FileJournal`` (pysyncobj 0.3.17): it is an mmap that is never fsynced while running; its
-``.meta`` (term, vote, commit index) is written and renamed without fsync; ``deleteEntriesTo``
-(after every log compaction) rewrites the journal in place from offset 0, so a crash in the middle
-loses entries; records carry no checksum, so a torn tail is read back as garbage; and ``add``
-copies every command three times (``struct.pack`` + ``to_bytes`` + concatenation, then the mmap
-slice), which shows at ~140 MB/s of 1 MiB commands.
+Why not ``FileJournal`` (pysyncobj 0.3.17): an mmap never fsynced while running; its ``.meta``
+written and renamed without fsync; ``deleteEntriesTo`` rewrites the journal in place from offset
+0 (a crash in the middle loses entries); no checksums (a torn tail reads back as garbage); and
+``add`` copies every command three times (~140 MB/s of 1 MiB commands).
 
 Files, next to each other in the replica's journal directory::
 
@@ -55,14 +53,12 @@ background thread under those two policies, by pysyncobj's ``onOneSecondTimer`` 
 Since it may be ahead of what survived in the journal, it is clamped to the journal's last index
 when read back (an unclamped one lets a restarted node apply entries nobody committed).
 
-A failed write or fsync of the journal is fatal: the entry is already in pysyncobj's memory, and
-after a failed fsync the page cache cannot be trusted to still hold it. The process logs the
-error as critical and exits (``on_io_error``), and Raft treats it as any crashed replica.
+A failed write or fsync is fatal (the entry is in memory, and after a failed fsync the page
+cache is untrustworthy): the process exits (``on_io_error``), a crashed replica to Raft.
 
-Injection: pysyncobj has no configuration hook for a journal class. ``using_journal(path, ...)``
-has ``kvps.raft.internals.journal_factory`` give a ``SyncObj`` constructed inside it with
-``journalFile=path`` a ``RaftJournal`` with this policy (any other path keeps pysyncobj's own
-journal); ``ShardGroup`` uses it around its ``SyncObj.__init__`` call only.
+Memory: an applied entry every follower has keeps only its index and term in memory; its command
+is read back from its record if needed (``kvps.raft.log_memory``). Injection: pysyncobj has no
+hook for a journal class; ``using_journal`` (around ``SyncObj.__init__``) supplies this one.
 """
 from __future__ import annotations
 
@@ -82,6 +78,7 @@ from pysyncobj.journal import Journal
 from kvps.config import FSYNC_POLICIES
 from kvps.raft import disk, internals, journal_file, segments
 from kvps.raft.journal_file import CHECKED, CRC, MAGIC, RECORD, VERSION, Entry
+from kvps.raft.log_memory import LogMemory
 from kvps.raft.segment_pool import SegmentPool
 from kvps.raft.segments import DATA, SEG_MAGIC, Segment
 from kvps.raft.meta_file import META_MAGIC, MetaFile
@@ -105,7 +102,7 @@ def _exit_on_io_error(exc: OSError, what: str) -> None:
     os._exit(_EX_IOERR)
 
 
-class RaftJournal(SegmentPool, Journal):
+class RaftJournal(SegmentPool, LogMemory, Journal):
     """pysyncobj's ``Journal`` interface over recycled segments (see the module docstring).
 
     pysyncobj calls every method on its tick thread, and none of them waits for the disk except
@@ -114,8 +111,7 @@ class RaftJournal(SegmentPool, Journal):
     the segments written since the last round (``interval`` only, through duplicates of their
     descriptors taken under ``_lock``) and writes the commit index (``_meta_lock``); under every
     policy the segment worker (``kvps.raft.segment_pool``) frees retired segments and prepares
-    the next one. ``_lock`` guards the segment lists and every segment's position; every write to
-    a segment happens under it."""
+    the next one. ``_lock`` guards the segment lists, positions and every write to a segment."""
 
     def __init__(self, path: str | Path, *, fsync: str = "interval", fsync_interval: float = 0.05,
                  first_index: int = 0, segment_bytes: int = 64 << 20,
@@ -155,6 +151,7 @@ class RaftJournal(SegmentPool, Journal):
         self._live: list[Segment] = loaded.live
         self._active: Segment | None = None  # every open appends to a fresh segment
         self._start_pool(loaded.free, loaded.epoch, loaded.number)
+        self._start_log_memory(on_io_error)
         if legacy:
             self._move_legacy(first_index, on_damage)
         self._stop = threading.Event()
@@ -172,7 +169,8 @@ class RaftJournal(SegmentPool, Journal):
         with self._lock:
             self._mark_free_now(self._live)
             self._free += self._live
-            self._live, self._entries, self._locs = [], [], []
+            self._live = []
+            self._drop_entries()
         fd, records = journal_file.open_file(self._path, version=VERSION,
                                              durable=self._policy != "never",
                                              first_index=first_index, on_damage=on_damage)
@@ -195,6 +193,7 @@ class RaftJournal(SegmentPool, Journal):
             self._write(seg, [CRC.pack(crc) + checked, command], seg.tail, "append")
             self._entries.append((command, idx, term))
             self._locs.append((seg, seg.tail))
+            self._held_added(len(command))
             seg.tail += RECORD.size + len(command)
             seg.first = seg.first or idx
             seg.last = idx
@@ -212,7 +211,7 @@ class RaftJournal(SegmentPool, Journal):
             self._mark_free_now([*self._retired, *self._live])
             self._retire(self._live)
             self._live, self._active = [], None
-            self._entries, self._locs = [], []
+            self._drop_entries()
             self._changes += 1
         self._changed()
 
@@ -237,6 +236,7 @@ class RaftJournal(SegmentPool, Journal):
             self._free += dropped  # holding uncommitted entries only: reusable at once
             self._live = self._live[:k] + ([] if offset == DATA else [seg])
             self._active = None
+            self._held_dropping_from(entryFrom)
             del self._entries[entryFrom:]
             del self._locs[entryFrom:]
             self._changes += 1
@@ -248,6 +248,7 @@ class RaftJournal(SegmentPool, Journal):
         if entryTo <= 0:
             return
         with self._lock:
+            self._held_dropping_to(entryTo)
             del self._entries[:entryTo]
             del self._locs[:entryTo]
             if not self._entries:
@@ -441,9 +442,9 @@ def using_journal(path: str | Path, *, fsync: str, fsync_interval: float, first_
                   segment_bytes: int = 64 << 20,
                   on_damage: Callable[[str], None] | None = None) -> AbstractContextManager[None]:
     """While inside, a ``SyncObj`` constructed with ``journalFile=path`` gets a ``RaftJournal``
-    with this policy, dropping records below ``first_index`` (the index of the dump file's
-    previous entry, 0 without one: see ``kvps.raft.journal_file``) and calling ``on_damage`` if
-    it finds damage. Raises ``RuntimeError`` if the block ends without pysyncobj asking for it."""
+    with this policy (any other path: pysyncobj's own), dropping records below ``first_index``
+    (the dump file's previous entry, 0 without one) and calling ``on_damage`` on damage.
+    Raises ``RuntimeError`` if the block ends without pysyncobj asking for it."""
     make = partial(RaftJournal, fsync=fsync, fsync_interval=fsync_interval, first_index=first_index,
                    segment_bytes=segment_bytes, on_damage=on_damage)
     return internals.journal_factory(path, make)

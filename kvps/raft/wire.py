@@ -31,7 +31,9 @@ authenticated peers can write.) Bytes values of 16 KiB or more (log entries, sna
 travel as protocol-5 out-of-band buffers, so the leader never copies an entry to send it: the
 connection gathers the small pickle and the entries' own bytes objects with ``sendmsg``; and a
 follower keeps the entries of a large frame as views of it instead of copying each one out (a
-replica that becomes leader sends such views out of band too). A zero-length body is a keepalive.
+replica that becomes leader sends such views out of band too). An entry the journal released
+from memory (``kvps.raft.released``) is read back as it is encoded, for a follower that lags
+behind it. A zero-length body is a keepalive.
 """
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ import io
 import pickle
 import struct
 from typing import Any
+
+from kvps.raft.released import Released
 
 __all__ = [
     "CHALLENGE_BYTES",
@@ -102,6 +106,8 @@ def _out_of_band(obj: Any, depth: int = 0) -> Any:
         return pickle.PickleBuffer(obj) if len(obj) >= _OUT_OF_BAND_BYTES else obj
     if type(obj) is memoryview:  # an entry received as a view of its frame (decode_message)
         return pickle.PickleBuffer(obj)
+    if type(obj) is Released:  # a command the journal no longer holds in memory: read it back
+        return _out_of_band(obj.materialize(), depth)
     if depth >= 4:
         return obj
     if type(obj) is dict:

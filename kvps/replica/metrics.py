@@ -46,6 +46,12 @@ class ReplicaMetrics:
         self.recovering = Gauge("kvps_recovering", "1 while this replica withholds its vote until it "
                                 "has caught up (its data was lost or its journal damaged)",
                                 labels, registry=r)
+        self.log_held_bytes = Gauge("kvps_log_held_bytes", "Command bytes of the Raft log held in "
+                                    "memory (the rest is released to the journal)", labels, registry=r)
+        self.log_read_back_bytes = Gauge("kvps_log_read_back_bytes", "Released command bytes read "
+                                         "back from the journal since the replica started (a "
+                                         "lagging follower served, a compaction's boundary)",
+                                         labels, registry=r)
         self.in_flight_bytes = Gauge("kvps_in_flight_bytes", "Push bytes accepted but not yet committed",
                                      labels, registry=r)
         # tables are few (created by hand), so their names may be labels, unlike hot keys

@@ -392,6 +392,7 @@ class Replica:
             "serving": st["role"] == "leader" and self.leadership.serving(st["term"]),
             "commit_index": st["commit_index"], "applied_index": st["applied_index"],
             "log_entries": st["log_entries"], "compactions": st.get("compactions"),
+            "log_memory": st.get("log_memory"),  # commands held in memory, released, read back
             "tick_stalls": st.get("tick_stalls"),
             # its lost data was replaced: no vote until it has caught up (kvps.raft.recovery)
             "recovering": st["recovering"], "recovering_reason": st["recovering_reason"],

@@ -119,6 +119,9 @@ class ReplicaStats:
         m.child(m.applied_index).set(st["applied_index"])
         m.child(m.recovering).set(1 if st["recovering"] else 0)
         m.child(m.in_flight_bytes).set(in_flight_bytes)
+        if st.get("log_memory"):
+            m.child(m.log_held_bytes).set(st["log_memory"]["held_bytes"])
+            m.child(m.log_read_back_bytes).set(st["log_memory"]["read_back_bytes"])
         if st["role"] == "leader":
             for addr, p in self.peer_lag(group).items():
                 if p["lag_entries"] is not None:

@@ -33,6 +33,8 @@ from kvps.config import (
 from kvps.errors import CodecError, ConfigError
 from kvps.raft import disk, journal_file, segments
 from kvps.raft.journal import MAGIC, SEG_MAGIC, RaftJournal, using_journal
+from kvps.raft.log_memory import RELEASE_MIN_BYTES
+from kvps.raft.released import Released
 from kvps.raft.meta_file import META_MAGIC, SLOT
 from kvps.raft.segments import DATA, SEG_HEADER
 
@@ -798,6 +800,7 @@ class JournalModel(RuleBasedStateMachine):
         self.next_index = 1  # of the next entry while the model is empty
         self.term = 1
         self.covered = 0  # the snapshot's previous index: records below it may come back
+        self.released_to = 0  # entries up to this index have left memory (release)
 
     def open(self) -> RaftJournal:
         return open_journal(self.path, "interval", fsync_interval=3600, segment_bytes=8192,
@@ -811,7 +814,8 @@ class JournalModel(RuleBasedStateMachine):
         """The snapshot's previous entry as pysyncobj would have it: the first one kept."""
         return self.model[0][1] if self.model else self.next_index
 
-    @rule(command=st.binary(max_size=1500), term_step=st.integers(0, 1))
+    @rule(command=st.one_of(st.binary(max_size=64), st.binary(min_size=1000, max_size=1500)),
+          term_step=st.integers(0, 1))
     def add(self, command, term_step):
         self.term += term_step
         entry = (command, self.model[-1][1] + 1 if self.model else self.next_index, self.term)
@@ -825,6 +829,8 @@ class JournalModel(RuleBasedStateMachine):
         if cut == 0:  # the next entry takes the first one's index
             self.next_index = self.model[0][1]
         self.journal.deleteEntriesFrom(cut)
+        if cut < len(self.model):  # an entry appended at a dropped index is in memory again
+            self.released_to = min(self.released_to, self.model[cut][1] - 1)
         del self.model[cut:]
 
     @precondition(lambda self: self.model)
@@ -836,6 +842,13 @@ class JournalModel(RuleBasedStateMachine):
         self.journal.deleteEntriesTo(cut)
         self.model = self.model[cut:]
 
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def release(self, data):  # what ShardGroup does once entries are applied and held by all
+        upto = data.draw(st.integers(self.model[0][1] - 1, self.model[-1][1] + 1))
+        self.journal.release_to(upto)
+        self.released_to = max(self.released_to, min(upto, self.model[-1][1]))  # none past the log
+
     @rule()
     def settle(self):
         self.journal._settle()
@@ -846,11 +859,13 @@ class JournalModel(RuleBasedStateMachine):
             self.next_index = self.model[-1][1] + 1
         self.journal.clear()
         self.model = []
+        self.released_to = 0
 
     @rule()
     def reopen(self):
         self.journal._destroy()
         self.journal = self.open()
+        self.released_to = 0  # read back into memory
         assert entries(self.journal) == self.model  # a clean close left nothing to drop
 
     @rule()
@@ -859,8 +874,17 @@ class JournalModel(RuleBasedStateMachine):
 
     @invariant()
     def same_as_the_model(self):
-        assert entries(self.journal) == self.model
+        assert entries(self.journal) == self.model  # released commands read back from segments
         assert len(self.journal) == len(self.model)
+
+    @invariant()
+    def payload_memory_accounted(self):
+        j = self.journal
+        assert j._held_from == sum(1 for _, index, _ in self.model if index <= self.released_to)
+        assert [len(c) for c, _, _ in j[:]] == [len(c) for c, _, _ in self.model]
+        assert j.held_bytes == sum(len(c) for c, _, _ in self.model[j._held_from:])
+        for k, (command, _, _) in enumerate(j[:]):
+            assert (type(command) is Released) == (k < j._held_from and len(command) >= RELEASE_MIN_BYTES)
 
 
 JournalModel.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
