@@ -84,6 +84,9 @@ def test_metrics_are_valid_prometheus_and_count_what_happened(cluster):
     assert value("kvps_is_leader", shard=str(shard)) == 1
     assert value("kvps_replica_up", node=str(leader_node)) == len(cluster.cfg.shards_on(leader_node))
     assert value("kvps_term", shard=str(shard)) >= 1
+    # the log's commands held in memory: the three small pushes at most (the rest is released)
+    held = [s.value for s in samples if s.name == "kvps_log_held_bytes" and s.labels["shard"] == str(shard)]
+    assert len(held) == 1 and 0 <= held[0] < 64 * 1024, held
     # the node process's collector clock (installed before start-up's heap was frozen)
     assert value("kvps_gc_collections_total", node=str(leader_node), process="node", generation="2") >= 1
     # the client refused the wrong shape itself; a raw wrong-shape push reaches the server:
