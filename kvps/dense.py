@@ -3,10 +3,17 @@
 Blocks are immutable arrays inside immutable ``Block`` records, replaced on update: a reader (a
 pull, a snapshot writer, the delta history) may keep a reference without a lock, and a snapshot of
 the state is a shallow copy.
+
+A replaced block's value array is kept for reuse (``Slots``): the next update of a block of that
+shape writes its new value into it instead of into memory the process never touched (DESIGN
+§11), but only once nothing refers to it any more -- no reader, no view, no buffer export (its
+reference count says so) -- so readers still only ever see arrays that never change.
 """
 from __future__ import annotations
 
 import mmap
+import sys
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +24,7 @@ from kvps.errors import InvalidRequest, KvpsError, ShapeMismatch
 from kvps.optimizer import fitted_state, optimizer_from_dict
 from kvps.placement import DenseLayout
 
-__all__ = ["Block", "DenseKey", "frozen"]
+__all__ = ["Block", "DenseKey", "Slots", "frozen"]
 
 
 def frozen(arr: np.ndarray) -> np.ndarray:
@@ -55,6 +62,35 @@ class Block:
     state: dict[str, np.ndarray]  # optimizer state, read-only arrays of optimizer.state_shape(value.shape)
 
 
+class Slots:
+    """Replaced block values of one key, by shape, reused once unreferenced (module docstring).
+    At most ``depth`` per shape are kept; older ones are left to be freed as usual."""
+
+    def __init__(self, depth: int = 4) -> None:
+        self._depth = depth
+        self._free: dict[tuple, deque] = {}
+        self.reused = 0  # values written into a recycled slot (counted by DenseKey.step_block)
+
+    def retire(self, arr: np.ndarray) -> None:
+        if arr.base is None and arr.flags.c_contiguous:  # owns its memory (not a snapshot's view)
+            shape = arr.shape
+            queue = self._free.get(shape)
+            if queue is None:
+                queue = self._free[shape] = deque(maxlen=self._depth)
+            queue.append(arr)
+
+    def take(self, shape: tuple) -> np.ndarray | None:
+        """A writable array of ``shape`` nothing else refers to, or None."""
+        queue = self._free.get(shape)
+        for _ in range(len(queue) if queue else 0):
+            arr = queue.popleft()
+            if sys.getrefcount(arr) == 2:  # this name and the call's argument: nobody else
+                arr.flags.writeable = True
+                return arr
+            queue.append(arr)  # still read somewhere
+        return None
+
+
 class DenseKey:
     kind = "dense"
 
@@ -65,6 +101,7 @@ class DenseKey:
         self.optimizer = optimizer_from_dict(optimizer)
         self.merge = merge
         self.blocks: dict[int, Block] = {}
+        self.slots = Slots()
 
     def definition(self) -> dict:
         lay = self.layout
@@ -93,11 +130,26 @@ class DenseKey:
         return None
 
     def step_block(self, block: int, grad: np.ndarray, count: int) -> Block:
+        """The block after one optimizer step; its value in a recycled slot when one is free and
+        the optimizer writes into it (``replace_block`` then retires the old value)."""
         old = self.blocks[block]
-        value, state = self.optimizer.step(old.value, grad, old.state, old.step + 1)
+        slot = self.slots.take(old.value.shape) if self.optimizer.fills_out else None
+        value, state = self.optimizer.step(old.value, grad, old.state, old.step + 1, out=slot)
+        if slot is not None:
+            if value is slot:
+                self.slots.reused += 1
+            else:  # not written into after all: kept for later
+                self.slots.retire(slot)
         value = frozen(np.asarray(value, dtype=self.layout.dtype))
         state = {k: frozen(np.asarray(v, dtype=self.layout.dtype)) for k, v in state.items()}
         return Block(value, old.version + count, old.step + 1, state)
+
+    def replace_block(self, block: int, new: Block) -> None:
+        """Commit ``new`` (from ``step_block``); the replaced value may be reused once unreferenced."""
+        old = self.blocks.get(block)
+        self.blocks[block] = new
+        if old is not None and old.value is not new.value:
+            self.slots.retire(old.value)
 
     def snapshot_parts(self) -> tuple[dict, list[np.ndarray]]:
         names = self.optimizer.state_names()

@@ -144,6 +144,7 @@ class Optimizer:
     then updates."""
 
     name: ClassVar[str]
+    fills_out: ClassVar[bool] = False  # writes the new value into ``step``'s ``out``
     clip_norm: float
 
     def state_names(self) -> tuple[str, ...]:
@@ -163,13 +164,18 @@ class Optimizer:
         return {}
 
     def step(self, value: np.ndarray, grad: np.ndarray, state: State,
-             step: Step) -> tuple[np.ndarray, State]:
+             step: Step, out: np.ndarray | None = None) -> tuple[np.ndarray, State]:
+        """``out``: a writable array of ``value``'s shape and dtype, aliasing none of the inputs,
+        that the optimizer may write the new value into (Add, SGD, Adagrad do) instead of a new
+        array; the same bits either way."""
         if self.clip_norm:
             grad = _clip(grad, self.clip_norm, per_row=isinstance(step, np.ndarray))
-        return self._update(value, grad, state, step)
+        if out is not None and (out.shape != np.shape(value) or out.dtype != value.dtype):
+            out = None
+        return self._update(value, grad, state, step, out)
 
     def _update(self, value: np.ndarray, grad: np.ndarray, state: State,
-                step: Step) -> tuple[np.ndarray, State]:
+                step: Step, out: np.ndarray | None) -> tuple[np.ndarray, State]:
         raise NotImplementedError
 
     def _check_clip(self) -> None:
@@ -181,6 +187,7 @@ class Add(Optimizer):
     """value += grad: the raw incremental update (no state)."""
 
     name: ClassVar[str] = "add"
+    fills_out: ClassVar[bool] = True
     clip_norm: float = 0.0  # max L2 norm of a row's / block's gradient; 0: no clipping
 
     def __post_init__(self) -> None:
@@ -189,8 +196,8 @@ class Add(Optimizer):
     def uses_step(self):
         return False
 
-    def _update(self, value, grad, state, step):
-        return value + grad, {}
+    def _update(self, value, grad, state, step, out):
+        return np.add(value, grad, out=out), {}
 
 
 @dataclass(frozen=True)
@@ -198,6 +205,7 @@ class SGD(Optimizer):
     """torch.optim.SGD: weight decay, momentum (buffer = grad on the first step), nesterov."""
 
     name: ClassVar[str] = "sgd"
+    fills_out: ClassVar[bool] = True
     lr: float
     momentum: float = 0.0
     dampening: float = 0.0
@@ -221,7 +229,7 @@ class SGD(Optimizer):
     def uses_step(self):
         return bool(self.momentum)  # the buffer starts as the first gradient; no schedule toggles it
 
-    def _update(self, value, grad, state, step):
+    def _update(self, value, grad, state, step, out):
         g = grad
         if self.weight_decay:
             g = g + _coef(self.weight_decay, value) * value  # torch: grad.add(param, alpha=wd)
@@ -234,10 +242,10 @@ class SGD(Optimizer):
             g = g + m * buf if self.nesterov else buf
         # torch: param.add_(g, alpha=-lr). value + (coef * g), computed in one new array: the
         # same two roundings as the expression, one temporary fewer per block.
-        out = np.multiply(g, _coef(-self.lr, value))
-        if not isinstance(out, np.ndarray) or out.shape != np.shape(value):  # 0-d: a scalar
-            return value + out, new_state
-        return np.add(value, out, out=out), new_state
+        delta = np.multiply(g, _coef(-self.lr, value), out=out)
+        if not isinstance(delta, np.ndarray) or delta.shape != np.shape(value):  # 0-d: a scalar
+            return value + delta, new_state
+        return np.add(value, delta, out=delta), new_state
 
 
 @dataclass(frozen=True)
@@ -245,6 +253,7 @@ class Adagrad(Optimizer):
     """torch.optim.Adagrad: clr = lr / (1 + (step - 1) * lr_decay)."""
 
     name: ClassVar[str] = "adagrad"
+    fills_out: ClassVar[bool] = True
     lr: float = 0.01
     lr_decay: float = 0.0
     weight_decay: float = 0.0
@@ -265,7 +274,7 @@ class Adagrad(Optimizer):
     def uses_step(self):
         return True  # lr_decay reads it, and a schedule may set lr_decay on a key created without
 
-    def _update(self, value, grad, state, step):
+    def _update(self, value, grad, state, step, out):
         g = grad
         if self.weight_decay:
             g = g + _coef(self.weight_decay, value) * value
@@ -273,7 +282,10 @@ class Adagrad(Optimizer):
         total = state["sum"] + g * g  # torch: sum.addcmul_(g, g, value=1)
         std = np.sqrt(total) + _coef(self.eps, value)
         # torch addcdiv: param + (value * t1) / t2
-        return value + (_coef(-clr, value) * g) / std, {"sum": total}
+        if out is None or np.ndim(clr):  # (per-row coefficients broadcast: rows of a table)
+            return value + (_coef(-clr, value) * g) / std, {"sum": total}
+        step_ = np.divide(np.multiply(_coef(-clr, value), g, out=out), std, out=out)
+        return np.add(value, step_, out=out), {"sum": total}
 
 
 @dataclass(frozen=True)
@@ -308,7 +320,7 @@ class Adam(Optimizer):
     def init_state(self, value):
         return {"exp_avg": np.zeros_like(value), "exp_avg_sq": np.zeros_like(value)}
 
-    def _update(self, value, grad, state, step):
+    def _update(self, value, grad, state, step, out):
         beta1, beta2 = self.betas
         g = grad
         if self.weight_decay:
@@ -365,7 +377,7 @@ class RowWiseAdagrad(Optimizer):
     def uses_step(self):
         return False
 
-    def _update(self, value, grad, state, step):
+    def _update(self, value, grad, state, step, out):
         g2 = _rows2d(grad)  # (rows, cols)
         sq = g2[:, 0] * g2[:, 0]  # (rows,) in the value's dtype, columns added in order
         for j in range(1, g2.shape[1]):
@@ -407,7 +419,7 @@ class FTRL(Optimizer):
     def uses_step(self):
         return False
 
-    def _update(self, value, grad, state, step):
+    def _update(self, value, grad, state, step, out):
         alpha = _coef(self.alpha, value)
         n_old = state["n"]
         n_new = n_old + grad * grad

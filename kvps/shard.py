@@ -243,7 +243,7 @@ class ShardState:
         if bad := capacity_errors(self._keys, rows, self.memory_limit):
             return {"results": validation.rejected(cmd.pushes, bad)}
         for entry, b, block in dense:  # commit: nothing below can fail on bad input
-            entry.blocks[b] = block
+            entry.replace_block(b, block)
         for table, update in rows:
             table.commit(update)
         results: dict[tuple[str, int], Result] = {}

@@ -564,3 +564,38 @@ def test_golden_snapshot():
         assert s.read_rows("e", np.int64([-1, 9]))[1].tolist() == [1, 1]
         assert s.lookup_push("c", 1) == {"versions": {"e": 1, "w": 1}}
         assert s.state_hash() == "c058ceda9865cda22ea2e707dc968fdbc7fd99302c5bb92ca022719589ba2794"
+
+
+@pytest.mark.parametrize("optimizer", [ADD, {"name": "sgd", "lr": 0.1}, {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+                                       {"name": "adagrad", "lr": 0.1}, {"name": "adam", "lr": 0.1}])
+def test_updates_write_into_unreferenced_block_values_and_never_into_one_being_read(optimizer):
+    """A replaced block value is reused for a later update only once nothing refers to it: a
+    reader's array never changes under it, and the bits are those of a shard that never reuses."""
+    rng = np.random.default_rng(7)
+    recycling, fresh = ShardState(0), ShardState(0)
+    for s in (recycling, fresh):
+        value = np.arange(8, dtype=np.float32).reshape(4, 2)
+        assert s.apply(CreateKey("v", (4, 2), "float32", 4, optimizer, "sum", ((0, value),))).result == {"created": True}
+    fresh._keys["v"].slots.take = lambda shape: None  # never reuses
+
+    def push(seq):
+        grad = rng.standard_normal((4, 2)).astype(np.float32)
+        for s in (recycling, fresh):
+            _apply_push(s, [PushRequest("a", seq, seq, (("v", 0, grad),), ())])
+
+    (_, held), = recycling.read_blocks("v", [0])
+    kept, view = held.copy(), memoryview(held)  # a reader: an array and a buffer export of it
+    for seq in range(1, 6):
+        push(seq)
+        (_, now), = recycling.read_blocks("v", [0])
+        assert now is not held and np.shares_memory(now, held) is False
+        assert np.array_equal(held, kept) and bytes(view) == kept.tobytes()
+    del held, view, now
+    for seq in range(6, 12):
+        push(seq)
+    assert recycling.state_hash() == fresh.state_hash()
+    (_, a), = recycling.read_blocks("v", [0])
+    (_, b), = fresh.read_blocks("v", [0])
+    assert a.tobytes() == b.tobytes() and not a.flags.writeable
+    reuses = optimizer["name"] in ("add", "sgd", "adagrad")
+    assert (recycling._keys["v"].slots.reused > 0) == reuses
