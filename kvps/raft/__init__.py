@@ -33,6 +33,8 @@ Peer traffic:
   handshake MAC); pure.
 * ``handshake`` -- the mutual HMAC challenge-response as a state machine; pure.
 * ``connection`` -- one authenticated, size-capped peer connection on pysyncobj's poller.
+* ``frame_buffers`` -- the recycled buffers large peer frames are received into, one pool per
+  tick thread.
 * ``peer_settings`` -- the secret, limits, counters and socket options every connection shares.
 * ``listener`` -- the Raft port's listening socket.
 * ``probe`` -- whether a member that closed its connection still listens (its process is gone).

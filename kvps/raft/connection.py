@@ -10,8 +10,10 @@ before any buffer is allocated.
 
 I/O runs on pysyncobj's poller in its tick thread, on non-blocking sockets: small frames are
 parsed out of one reusable 256 KiB staging buffer (and the entries in them copied out: the
-buffer is reused); a frame larger than that gets one preallocated array filled with
-``recv_into``, never reused, whose entries stay views of it; outgoing frames wait in a deque of
+buffer is reused); a frame larger than that is received with ``recv_into`` into a buffer of its
+own, whose entries stay views of it: taken from the tick thread's ``kvps.buffers`` pool, so a
+buffer is reused (its pages already faulted in) once nothing refers to it any more -- its
+entries applied and released from the log (``kvps.raft.log_memory``); outgoing frames wait in a deque of
 memoryviews sent with ``sendmsg`` (no re-slicing copies); at most 16 MiB are read per poll event
 so the tick thread keeps heart-beating while a peer streams a large backlog.
 
@@ -39,6 +41,7 @@ from pysyncobj.monotonic import monotonic as _monotonic
 from pysyncobj.poller import POLL_EVENT_TYPE
 from pysyncobj.tcp_connection import CONNECTION_STATE
 
+from kvps.raft.frame_buffers import STAGING_BYTES, frame_buffers
 from kvps.raft.handshake import (AWAIT_CHALLENGE, AWAIT_HELLO, AWAIT_RESPONSE, TCP_CONNECTING,
                                  Handshake, HandshakeRejected)
 from kvps.raft.peer_settings import PeerSettings, set_buffers, set_keepalive
@@ -49,7 +52,7 @@ __all__ = ["PeerConnection"]
 
 logger = logging.getLogger("kvps.raft")
 
-_STAGING_BYTES = 256 * 1024  # frames larger than this get their own buffer
+_STAGING_BYTES = STAGING_BYTES  # frames larger than this get their own buffer
 _COMPACT_BELOW = 64 * 1024  # move a partial frame to the front when less room than this is left
 _READ_BUDGET = 16 * 1024 * 1024  # bytes read per poll event before yielding to the tick loop
 _SENDMSG_MAX_BUFFERS = 64
@@ -332,7 +335,7 @@ class PeerConnection:
                 self._bigFilled += n
                 if self._bigFilled == len(self._big):
                     frame, self._big, self._bigView = self._big, None, None
-                    self._deliver(memoryview(frame), owned=True)  # never reused: kept as is
+                    self._deliver(memoryview(frame), owned=True)  # reused only once unreferenced
                 continue
             if len(self._stagingBuf) - self._end < _COMPACT_BELOW and self._start > 0:
                 pending = self._end - self._start
@@ -385,9 +388,9 @@ class PeerConnection:
                 continue
             if header + length > len(buf):
                 have = self._end - body
-                # length <= cap, checked above; np.empty: every byte is received into it,
-                # so zero-filling it first (bytearray(length)) was one more pass per entry
-                self._big = np.empty(length, np.uint8)
+                # length <= cap, checked above; not zero-filled: every byte is received into
+                # it; a recycled buffer once nothing refers to it (module docstring)
+                self._big = frame_buffers().take(length)
                 self._bigView = memoryview(self._big)
                 self._bigView[:have] = self._staging[body:self._end]
                 self._bigFilled = have

@@ -21,8 +21,8 @@ network (or under WireGuard/TLS) if that is in your threat model.
 After the handshake a body is one pysyncobj message: ``<IH`` pickle length and number of
 out-of-band buffers, one ``<I`` length per buffer, the pickle, the buffers (which the receiver
 passes to the Unpickler as ``buffers=``: read-only views of the frame when the frame has a buffer
-of its own, which nothing else ever reuses; ``bytes`` copies when it was parsed out of the
-connection's reused staging buffer). The pickle is protocol 5, never zlib (our
+of its own, which is reused only once nothing refers to it; ``bytes`` copies when it was parsed
+out of the connection's reused staging buffer). The pickle is protocol 5, never zlib (our
 payloads are already compressed or incompressible), and is read back with an ``Unpickler`` that
 refuses every global: pysyncobj's peer messages are dicts, lists and tuples of
 str/bytes/int/float/bool/None. (Membership commands pickle a ``TCPNode`` *inside* the command
@@ -131,9 +131,10 @@ def encode_message(message: Any) -> list[Any]:
 def decode_message(body: memoryview, *, owned: bool = False) -> Any:
     """Inverse of ``encode_message``; refuses every global; raises on anything malformed.
 
-    ``owned``: ``body`` lies in a buffer of its own that is never reused: its out-of-band
-    values come back as read-only views of it (each keeps the whole frame alive) instead of
-    ``bytes`` copies. A body in a reused buffer must not be ``owned``."""
+    ``owned``: ``body`` lies in a buffer of its own that is reused only once nothing refers to
+    it: its out-of-band values come back as read-only views of it (each keeps the whole frame
+    alive) instead of ``bytes`` copies. A body in a buffer reused regardless (the staging
+    buffer) must not be ``owned``."""
     npickle, nbuffers = _BODY.unpack_from(body)
     offset = _BODY.size + _U32.size * nbuffers
     if nbuffers > _MAX_BUFFERS or offset + npickle > len(body):

@@ -29,6 +29,7 @@ import numpy as np
 
 from kvps.delta import wire
 from kvps.errors import KvpsError, Overloaded, Timeout, Unauthorized
+from kvps.buffers import RecycledBuffers
 from kvps.service.auth import TokenStore
 
 __all__ = ["Dispatch", "WireServer"]
@@ -56,6 +57,9 @@ class WireServer:
         self.peers: Counter[str] = Counter()
         self.connections: set[_Connection] = set()
         self.requests = 0
+        # request bodies are received into buffers reused once nothing refers to them (the loop's
+        # thread only: kvps.buffers)
+        self.buffers = RecycledBuffers()
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, host: str, port: int, ssl: ssl_.SSLContext | None = None) -> None:
@@ -215,8 +219,9 @@ class _Connection(asyncio.BufferedProtocol):
             if body_len == 0:
                 self._run(np.empty(0, np.uint8))
             else:
-                # np.empty: every byte is written by the kernel, zeroing it first is one more pass
-                self._body = np.empty(body_len, np.uint8)
+                # not zero-filled: every byte is written by the kernel; a buffer whose pages are
+                # already faulted in once nothing refers to it (an earlier body, applied)
+                self._body = self.server.buffers.take(body_len)
                 self._arm(self.server.body_timeout, "body")
                 self._expect(_BODY, body_len, memoryview(self._body))
         elif state == _BODY:

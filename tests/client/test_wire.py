@@ -413,3 +413,30 @@ def test_large_answers_arrive_whole_into_read_only_buffers_of_their_own(tmp_path
             await client.close()
             await server.close()
     asyncio.run(main())
+
+
+def test_request_bodies_land_in_recycled_buffers_and_a_kept_body_is_never_written_over(tmp_path):
+    """The node receives each body into a buffer reused once nothing refers to it (kvps.buffers):
+    a body a request kept (as a log entry keeps its gradients) stays as it arrived."""
+    kept: dict = {}
+
+    async def dispatch(shard, op, authorization, body, tag):
+        if op == "keep":
+            kept["body"], kept["bytes"] = body, bytes(body)
+        return [bytes(body[:1])]
+
+    async def main():
+        server, port = await _server(tmp_path, dispatch, max_body=4 << 20)
+        client = WireTransport(TOKEN)
+        where = ("127.0.0.1", port, False)
+        try:
+            for i, op in enumerate(["keep", "push", "push", "push", "push", "push"]):
+                body = kc.Body([np.full(1 << 20, 0x11 * (i + 1), np.uint8)])
+                status, data = await client.request(where, 1, op, body, timeout=5)
+                assert status == 200 and bytes(data) == bytes([(0x11 * (i + 1)) & 0xFF])
+            assert server.buffers.reused >= 4, (server.buffers.reused, server.buffers.allocated)
+            assert bytes(kept["body"]) == kept["bytes"] == b"\x11" * (1 << 20)
+        finally:
+            await client.close()
+            await server.close()
+    asyncio.run(main())
