@@ -354,6 +354,8 @@ class ShardGroup(SyncObj):
         served from the journal."""
         log = internals.raft_log(self)
         upto = self.raftLastApplied
+        if upto <= log.released_through:
+            return  # nothing applied since the last release (every tick of a still group)
         if internals.is_leader(self) and log.held_bytes <= self._raft.log_memory_bytes:
             matches = internals.match_indexes(self)
             if matches:

@@ -76,6 +76,12 @@ class LogMemory:
         self.released = {"entries": 0, "bytes": 0}  # released so far (counters)
 
     @property
+    def released_through(self) -> int:
+        """The raft index of the last entry released (0 if none): ``release_to`` up to it is a no-op."""
+        entries, held = self._entries, self._held_from
+        return entries[held - 1][1] if held and held <= len(entries) else 0
+
+    @property
     def held_bytes(self) -> int:
         """Command bytes of the entries whose payload is still in memory."""
         return self._held_bytes
