@@ -4,10 +4,11 @@ Blocks are immutable arrays inside immutable ``Block`` records, replaced on upda
 pull, a snapshot writer, the delta history) may keep a reference without a lock, and a snapshot of
 the state is a shallow copy.
 
-A replaced block's value array is kept for reuse (``Slots``): the next update of a block of that
-shape writes its new value into it instead of into memory the process never touched (DESIGN
-§11), but only once nothing refers to it any more -- no reader, no view, no buffer export (its
-reference count says so) -- so readers still only ever see arrays that never change.
+A replaced block's value array is kept for reuse (``Slots``, one per shard): the next update of a
+block of that shape and dtype writes its new value into it instead of into memory the process
+never touched (DESIGN §11), but only once nothing refers to it any more -- no reader, no view, no
+buffer export (its reference count says so) -- so readers still only ever see arrays that never
+change.
 """
 from __future__ import annotations
 
@@ -63,28 +64,37 @@ class Block:
 
 
 class Slots:
-    """Replaced block values of one key, by shape, reused once unreferenced (module docstring).
-    At most ``depth`` per shape are kept; older ones are left to be freed as usual."""
+    """Replaced block values of a shard, by shape and dtype, reused once unreferenced (module
+    docstring). Only values of ``min_bytes`` or more (smaller ones come from the allocator's free
+    lists anyway); at most ``depth`` per shape and ``max_bytes`` in all, the oldest let go first."""
 
-    def __init__(self, depth: int = 4) -> None:
-        self._depth = depth
+    def __init__(self, max_bytes: int = 32 << 20, depth: int = 2, min_bytes: int = 64 << 10) -> None:
+        self.max_bytes, self.depth, self.min_bytes = max_bytes, depth, min_bytes
         self._free: dict[tuple, deque] = {}
+        self.kept = 0  # bytes held for reuse
         self.reused = 0  # values written into a recycled slot (counted by DenseKey.step_block)
 
     def retire(self, arr: np.ndarray) -> None:
-        if arr.base is None and arr.flags.c_contiguous:  # owns its memory (not a snapshot's view)
-            shape = arr.shape
-            queue = self._free.get(shape)
-            if queue is None:
-                queue = self._free[shape] = deque(maxlen=self._depth)
-            queue.append(arr)
+        nbytes = arr.nbytes
+        if nbytes < self.min_bytes or nbytes > self.max_bytes or arr.base is not None \
+                or not arr.flags.c_contiguous:  # (a snapshot's view does not own its memory)
+            return
+        queue = self._free.setdefault((arr.shape, arr.dtype.str), deque())
+        if len(queue) >= self.depth:
+            self.kept -= queue.popleft().nbytes
+        while self.kept + nbytes > self.max_bytes:
+            oldest = next(q for q in self._free.values() if q)
+            self.kept -= oldest.popleft().nbytes
+        queue.append(arr)
+        self.kept += nbytes
 
-    def take(self, shape: tuple) -> np.ndarray | None:
-        """A writable array of ``shape`` nothing else refers to, or None."""
-        queue = self._free.get(shape)
+    def take(self, shape: tuple, dtype: np.dtype) -> np.ndarray | None:
+        """A writable array of ``shape`` and ``dtype`` nothing else refers to, or None."""
+        queue = self._free.get((shape, dtype.str))
         for _ in range(len(queue) if queue else 0):
             arr = queue.popleft()
             if sys.getrefcount(arr) == 2:  # this name and the call's argument: nobody else
+                self.kept -= arr.nbytes
                 arr.flags.writeable = True
                 return arr
             queue.append(arr)  # still read somewhere
@@ -101,7 +111,6 @@ class DenseKey:
         self.optimizer = optimizer_from_dict(optimizer)
         self.merge = merge
         self.blocks: dict[int, Block] = {}
-        self.slots = Slots()
 
     def definition(self) -> dict:
         lay = self.layout
@@ -129,27 +138,31 @@ class DenseKey:
             return ShapeMismatch(self.key, _spec(current.value), _spec(arr), block=block)
         return None
 
-    def step_block(self, block: int, grad: np.ndarray, count: int) -> Block:
-        """The block after one optimizer step; its value in a recycled slot when one is free and
-        the optimizer writes into it (``replace_block`` then retires the old value)."""
+    def step_block(self, block: int, grad: np.ndarray, count: int,
+                   slots: Slots | None = None) -> Block:
+        """The block after one optimizer step; its value in one of ``slots`` when one is free and
+        the optimizer writes into it (``replace_block`` then retires the old value there)."""
         old = self.blocks[block]
-        slot = self.slots.take(old.value.shape) if self.optimizer.fills_out else None
+        slot = None
+        if slots is not None and self.optimizer.fills_out:
+            slot = slots.take(old.value.shape, old.value.dtype)
         value, state = self.optimizer.step(old.value, grad, old.state, old.step + 1, out=slot)
         if slot is not None:
             if value is slot:
-                self.slots.reused += 1
+                slots.reused += 1
             else:  # not written into after all: kept for later
-                self.slots.retire(slot)
+                slots.retire(slot)
         value = frozen(np.asarray(value, dtype=self.layout.dtype))
         state = {k: frozen(np.asarray(v, dtype=self.layout.dtype)) for k, v in state.items()}
         return Block(value, old.version + count, old.step + 1, state)
 
-    def replace_block(self, block: int, new: Block) -> None:
-        """Commit ``new`` (from ``step_block``); the replaced value may be reused once unreferenced."""
+    def replace_block(self, block: int, new: Block, slots: Slots | None = None) -> None:
+        """Commit ``new`` (from ``step_block``); the replaced value goes to ``slots``, reused once
+        unreferenced."""
         old = self.blocks.get(block)
         self.blocks[block] = new
-        if old is not None and old.value is not new.value:
-            self.slots.retire(old.value)
+        if slots is not None and old is not None and old.value is not new.value:
+            slots.retire(old.value)
 
     def snapshot_parts(self) -> tuple[dict, list[np.ndarray]]:
         names = self.optimizer.state_names()

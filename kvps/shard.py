@@ -32,7 +32,7 @@ from kvps.command import (
     SetRows, SnapshotStep,
 )
 from kvps.delta import frame
-from kvps.dense import Block, DenseKey, frozen
+from kvps.dense import Block, DenseKey, Slots, frozen
 from kvps.errors import (
     CodecError, InvalidRequest, KeyExists, KeyNotFound, KvpsError, ShapeMismatch, Unavailable,
     VersionConflict,
@@ -66,6 +66,7 @@ class ShardState:
         # duplicate check and no results recorded.
         self.dedup = dedup
         self._keys: dict[str, Entry] = {}
+        self._slots: Slots | None = Slots()  # replaced block values, reused once unreferenced
         self._applied = AppliedTable(self.session_ttl)
         self._clocks = ClockTable()
         self._catalog = SnapshotCatalog(shard)
@@ -235,7 +236,8 @@ class ShardState:
         bad = validation.push_errors(self._keys, self.shard, cmd)
         if bad:  # below: the planned rows past the memory limit are refused the same way
             return {"results": validation.rejected(cmd.pushes, bad)}
-        dense = [(self._keys[d.key], d.block, self._keys[d.key].step_block(d.block, d.grad, d.count))
+        dense = [(self._keys[d.key], d.block,
+                  self._keys[d.key].step_block(d.block, d.grad, d.count, self._slots))
                  for d in cmd.dense]  # type: ignore[union-attr]
         now = max(self.time, cmd.now)
         rows = [(self._keys[r.key], self._keys[r.key].plan(r.ids, r.grads, r.counts, now))  # type: ignore[union-attr]
@@ -243,7 +245,7 @@ class ShardState:
         if bad := capacity_errors(self._keys, rows, self.memory_limit):
             return {"results": validation.rejected(cmd.pushes, bad)}
         for entry, b, block in dense:  # commit: nothing below can fail on bad input
-            entry.replace_block(b, block)
+            entry.replace_block(b, block, self._slots)
         for table, update in rows:
             table.commit(update)
         results: dict[tuple[str, int], Result] = {}

@@ -37,3 +37,20 @@ def test_sizes_share_buffers_within_a_factor_of_two_and_the_pool_stays_in_its_by
     assert c.base is None and pool.kept == 2 * MiB
     d = pool.take(3 * MiB)  # needs 3 MiB: the unreferenced 2 MiB one is dropped to make room
     assert pool.kept == 3 * MiB and d.base is not None and len(d) == 3 * MiB
+
+
+def test_a_shards_spare_block_values_stay_within_their_bounds():
+    """kvps.dense.Slots keeps replaced values of 64 KiB or more, two per shape, max_bytes in all."""
+    from kvps.dense import Slots
+    slots = Slots(max_bytes=1 << 20, depth=2, min_bytes=64 << 10)
+    slots.retire(np.zeros(100, np.float32))  # small: left to the allocator
+    assert slots.kept == 0
+    for _ in range(5):
+        slots.retire(np.zeros((64, 256), np.float32))  # 64 KiB each: two kept
+    assert slots.kept == 2 * (64 << 10)
+    for n in range(8):
+        slots.retire(np.zeros((n + 1, 64 << 10), np.uint8))  # growing shapes: the oldest go first
+        assert slots.kept <= 1 << 20
+    got = slots.take((8, 64 << 10), np.dtype(np.uint8))
+    assert got is not None and got.flags.writeable and slots.take((8, 64 << 10), np.dtype(np.uint8)) is None
+    assert slots.take((8, 64 << 10), np.dtype(np.float32)) is None  # another dtype: none

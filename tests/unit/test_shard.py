@@ -572,16 +572,18 @@ def test_updates_write_into_unreferenced_block_values_and_never_into_one_being_r
     """A replaced block value is reused for a later update only once nothing refers to it: a
     reader's array never changes under it, and the bits are those of a shard that never reuses."""
     rng = np.random.default_rng(7)
+    shape = (2 * 128, 128)  # two blocks of 64 KiB (float32): the smallest values worth reusing
     recycling, fresh = ShardState(0), ShardState(0)
+    fresh._slots = None  # never reuses
     for s in (recycling, fresh):
-        value = np.arange(8, dtype=np.float32).reshape(4, 2)
-        assert s.apply(CreateKey("v", (4, 2), "float32", 4, optimizer, "sum", ((0, value),))).result == {"created": True}
-    fresh._keys["v"].slots.take = lambda shape: None  # never reuses
+        value = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+        blocks = ((0, value[:128]), (1, value[128:]))
+        assert s.apply(CreateKey("v", shape, "float32", 128, optimizer, "sum", blocks)).result == {"created": True}
 
     def push(seq):
-        grad = rng.standard_normal((4, 2)).astype(np.float32)
+        grads = [rng.standard_normal((128, 128)).astype(np.float32) for _ in range(2)]
         for s in (recycling, fresh):
-            _apply_push(s, [PushRequest("a", seq, seq, (("v", 0, grad),), ())])
+            _apply_push(s, [PushRequest("a", seq, seq, (("v", 0, grads[0]), ("v", 1, grads[1])), ())])
 
     (_, held), = recycling.read_blocks("v", [0])
     kept, view = held.copy(), memoryview(held)  # a reader: an array and a buffer export of it
@@ -594,8 +596,10 @@ def test_updates_write_into_unreferenced_block_values_and_never_into_one_being_r
     for seq in range(6, 12):
         push(seq)
     assert recycling.state_hash() == fresh.state_hash()
-    (_, a), = recycling.read_blocks("v", [0])
-    (_, b), = fresh.read_blocks("v", [0])
-    assert a.tobytes() == b.tobytes() and not a.flags.writeable
+    for b in (0, 1):
+        (_, x), = recycling.read_blocks("v", [b])
+        (_, y), = fresh.read_blocks("v", [b])
+        assert x.tobytes() == y.tobytes() and not x.flags.writeable
     reuses = optimizer["name"] in ("add", "sgd", "adagrad")
-    assert (recycling._keys["v"].slots.reused > 0) == reuses
+    assert (recycling._slots.reused > 0) == reuses
+    assert recycling._slots.kept <= recycling._slots.max_bytes
