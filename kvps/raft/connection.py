@@ -52,7 +52,6 @@ __all__ = ["PeerConnection"]
 
 logger = logging.getLogger("kvps.raft")
 
-_STAGING_BYTES = STAGING_BYTES  # frames larger than this get their own buffer
 _COMPACT_BELOW = 64 * 1024  # move a partial frame to the front when less room than this is left
 _READ_BUDGET = 16 * 1024 * 1024  # bytes read per poll event before yielding to the tick loop
 _SENDMSG_MAX_BUFFERS = 64
@@ -86,7 +85,7 @@ class PeerConnection:
         self._onMessage: Callable[[Any], None] | None = None
         self._onDisconnected: Callable[[], None] | None = None
 
-        self._stagingBuf = bytearray(_STAGING_BYTES)
+        self._stagingBuf = bytearray(STAGING_BYTES)  # larger frames: a pooled buffer of their own
         self._staging = memoryview(self._stagingBuf)
         self._reset()
         if sock is not None:  # accepted by our server
