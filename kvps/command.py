@@ -565,12 +565,15 @@ def _decode(m: dict, arrays: tuple) -> Any:
     raise InvalidRequest(f"unknown command type {kind!r}")
 
 
-def decode_command(data: bytes, *, max_raw_bytes: int = DEFAULT_MAX_COMMAND_BYTES) -> Command:
+def decode_command(data: bytes, *, max_raw_bytes: int = DEFAULT_MAX_COMMAND_BYTES,
+                   verify: bool = True) -> Command:
     """The command in ``data``: ``CodecError`` for a bad frame, ``InvalidRequest`` for bad content.
 
-    Arrays in the result are read-only views of ``data``.
+    Arrays in the result are read-only views of ``data``. ``verify=False``: the arrays'
+    checksums are not checked again (a Raft entry: the journal checked them, see
+    ``frame.verified_digest``).
     """
-    f = frame.decode(data, max_raw_bytes=max_raw_bytes, kinds=(frame.KIND_COMMAND,))
+    f = frame.decode(data, max_raw_bytes=max_raw_bytes, kinds=(frame.KIND_COMMAND,), verify=verify)
     try:
         return _decode(f.meta, f.arrays)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:  # missing fields, wrong shapes of meta

@@ -60,6 +60,7 @@ __all__ = [
     "encode",
     "encode_parts",
     "head_size",
+    "verified_digest",
 ]
 
 KIND_REQUEST = 1
@@ -259,7 +260,7 @@ def _check_descriptor(d: _Descr) -> None:
 
 
 def _decode_array(d: _Descr, wire: memoryview, array_sum) -> np.ndarray:
-    if array_sum(wire) != d.crc:
+    if array_sum is not None and array_sum(wire) != d.crc:
         raise CodecError("array checksum mismatch")
     dtype = _DTYPES[d.dtype_code]
     raw = _codec.decompress(d.codec_code, wire, d.raw_size, dtype.itemsize)
@@ -293,7 +294,7 @@ def _decode_meta(raw: memoryview) -> dict:
 
 
 def _decode_v1(view: memoryview, kind: int, flags: int, meta_len: int, n_arrays: int,
-               header_crc: int, max_raw_bytes: int) -> Frame:
+               header_crc: int, max_raw_bytes: int, verify: bool = True) -> Frame:
     meta_start = _HEADER.size
     if meta_len > MAX_META_BYTES or n_arrays > MAX_ARRAYS:
         raise CodecError(f"meta_len {meta_len} / n_arrays {n_arrays} over the cap")
@@ -311,7 +312,7 @@ def _decode_v1(view: memoryview, kind: int, flags: int, meta_len: int, n_arrays:
         raise CodecError("wire sizes do not add up to the payload length")
     meta = _decode_meta(view[meta_start : meta_start + meta_len])
     arrays = []
-    array_sum = _CHECKSUMS[flags]
+    array_sum = _CHECKSUMS[flags] if verify else None
     for d in descrs:
         arrays.append(_decode_array(d, view[payload : payload + d.wire_size], array_sum))
         payload += d.wire_size
@@ -323,11 +324,14 @@ _DECODERS = {1: _decode_v1}
 
 
 def decode(data, *, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES,
-           kinds: Collection[int] | None = None) -> Frame:
+           kinds: Collection[int] | None = None, verify: bool = True) -> Frame:
     """Parse and verify one frame. Every malformed input raises ``CodecError``, nothing else.
 
     ``max_raw_bytes`` caps the sum of the arrays' decoded sizes, checked before allocating.
     ``kinds`` restricts the accepted frame kinds (default: all four).
+    ``verify=False`` skips the arrays' checksums (the header's is still checked): only for bytes
+    :func:`verified_digest` has passed since they last moved (a Raft entry the journal
+    checked when it wrote or read the entry).
     """
     view = _as_bytes_view(data)
     if len(view) < _HEADER.size:
@@ -342,7 +346,36 @@ def decode(data, *, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES,
         raise CodecError(f"unexpected frame kind {kind}")
     if flags not in _CHECKSUMS:
         raise CodecError(f"unknown frame flags {flags:#x}")
-    return decoder(view, kind, flags, meta_len, n_arrays, header_crc, max_raw_bytes)
+    return decoder(view, kind, flags, meta_len, n_arrays, header_crc, max_raw_bytes, verify)
+
+
+def verified_digest(data) -> int | None:
+    """XXH3-64 of the frame's head (header, meta, descriptors: every array's checksum is in it)
+    once every array matches its checksum and the head its own; ``None`` for bytes that are not
+    such a frame. One pass over the payload: the whole frame's check and digest at once (the
+    Raft journal's record checksum on every replica, ``kvps.raft.segments``)."""
+    try:
+        view = _as_bytes_view(data)
+        if len(view) < _HEADER.size:
+            return None
+        magic, version, _kind, flags, meta_len, n_arrays, header_crc = _HEADER.unpack_from(view, 0)
+        if magic != MAGIC or version not in _DECODERS or flags not in _CHECKSUMS \
+                or meta_len > MAX_META_BYTES or n_arrays > MAX_ARRAYS \
+                or _HEADER.size + meta_len > len(view):
+            return None
+        descrs, payload = _parse_descriptors(view, _HEADER.size + meta_len, n_arrays)
+        array_sum = _CHECKSUMS[flags]
+        if array_sum(view[_HEADER.size:payload]) != header_crc \
+                or sum(d.wire_size for d in descrs) != len(view) - payload:
+            return None
+        at = payload
+        for d in descrs:
+            if array_sum(view[at:at + d.wire_size]) != d.crc:
+                return None
+            at += d.wire_size
+        return xxhash.xxh3_64_intdigest(view[:payload])
+    except CodecError:
+        return None
 
 
 def head_size(data) -> int:

@@ -6,12 +6,25 @@ at call time (``disk.fsync(fd)``), so tests can count or stall them by replacing
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["copy_range", "fdatasync", "fsync", "fsync_dir", "pwrite_all"]
+__all__ = ["copy_range", "exit_on_io_error", "fdatasync", "fsync", "fsync_dir", "pwrite_all"]
+
+_EX_IOERR = 74  # sysexits.h: an input/output error
+
+
+def exit_on_io_error(exc: OSError, what: str) -> None:
+    """The Raft journal's reaction to a failed write, fsync or read-back: exit the process."""
+    logging.getLogger("kvps.raft").critical(
+        "raft journal: %s failed: %s; exiting (the entry is in memory but maybe not on disk, and "
+        "a failed fsync leaves the page cache untrustworthy)", what, exc)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(_EX_IOERR)
 
 fdatasync = os.fdatasync
 fsync = os.fsync

@@ -68,7 +68,7 @@ from pysyncobj.monotonic import monotonic
 
 from kvps.config import RaftConfig
 from kvps.errors import InvalidRequest
-from kvps.raft import compaction, internals
+from kvps.raft import compaction, internals, segments
 from kvps.raft.failover import FastFailover
 from kvps.raft.journal import using_journal
 from kvps.raft.prevote import PreVote
@@ -91,6 +91,8 @@ _ENTRY_PREFIX = bytes((internals.REGULAR_COMMAND, 0xFF))
 # Where a proposed command starts in its entry: a frame encoded for it (``at=ENTRY_OFFSET``) has
 # its arrays aligned in the entry, so applying it reads them in place (kvps.delta.frame).
 ENTRY_OFFSET = len(_ENTRY_PREFIX)
+
+
 
 # Our own failure codes, next to pysyncobj's FAIL_REASON values (0..7); bridge.py maps them.
 COMMAND_TOO_LARGE = 100  # refused before proposing: len(data) > raft.max_command_bytes
@@ -146,7 +148,8 @@ class ShardGroup(SyncObj):
                  on_role_change: Callable[[str], None] | None = None,
                  busy: Callable[[], bool] | None = None, bind_address: str | None = None,
                  ticker: Ticker | None = None,
-                 on_halted: Callable[[str], None] | None = None, autostart: bool = True) -> None:
+                 on_halted: Callable[[str], None] | None = None, autostart: bool = True,
+                 command_digest: Callable[[memoryview], int | None] | None = None) -> None:
         """``busy()``: whether the replica is serving requests right now (compaction writers then
         run at half speed). ``bind_address``: where to listen when not ``self_address``.
         ``ticker``: the ``kvps.raft.ticker.Ticker`` that ticks this group together with the
@@ -156,7 +159,9 @@ class ShardGroup(SyncObj):
         thread; without one the applier exits the process instead (``kvps.replica``).
         ``autostart=False`` (with a ticker): built, but not ticked until ``start()``, so nothing is
         applied (the journal's committed entries replay on the first ticks) before the owner
-        has wired what its applier reads."""
+        has wired what its applier reads.
+        ``command_digest``: the proposed commands carry their own checksums (kvps frames): the
+        journal checks and digests each one with it (``kvps.raft.segments``)."""
         raft.validate()
         journal_dir = Path(journal_dir)
         journal_dir.mkdir(parents=True, exist_ok=True)
@@ -221,7 +226,8 @@ class ShardGroup(SyncObj):
             with using_journal(journal_dir / "raft.journal", fsync=raft.fsync,  # ours, not FileJournal
                                fsync_interval=raft.fsync_interval, first_index=first_index,
                                segment_bytes=raft.journal_segment_bytes,
-                               on_damage=self._recover_from_damage), \
+                               on_damage=self._recover_from_damage,
+                               digest=segments.prefixed_digest(_ENTRY_PREFIX, command_digest)), \
                     internals.using_poller(poller) if poller is not None else contextlib.nullcontext():
                 SyncObj.__init__(self, self_address, others, conf, transportClass=transport)
             self.addOnTickCallback(self._note_tick_thread)

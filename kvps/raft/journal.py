@@ -90,16 +90,7 @@ __all__ = ["MAGIC", "META_MAGIC", "RaftJournal", "SEG_MAGIC", "VERSION", "using_
 
 logger = logging.getLogger("kvps.raft")
 
-_EX_IOERR = 74  # sysexits.h: an input/output error
 _META_PERIOD = 1.0  # seconds between commit index writes (pysyncobj's own cadence)
-
-
-def _exit_on_io_error(exc: OSError, what: str) -> None:
-    logger.critical("raft journal: %s failed: %s; exiting (the entry is in memory but maybe not on "
-                    "disk, and a failed fsync leaves the page cache untrustworthy)", what, exc)
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    os._exit(_EX_IOERR)
 
 
 class RaftJournal(SegmentPool, LogMemory, Journal):
@@ -115,8 +106,9 @@ class RaftJournal(SegmentPool, LogMemory, Journal):
 
     def __init__(self, path: str | Path, *, fsync: str = "interval", fsync_interval: float = 0.05,
                  first_index: int = 0, segment_bytes: int = 64 << 20,
-                 on_io_error: Callable[[OSError, str], None] = _exit_on_io_error,
-                 on_damage: Callable[[str], None] | None = None) -> None:
+                 on_io_error: Callable[[OSError, str], None] = disk.exit_on_io_error,
+                 on_damage: Callable[[str], None] | None = None,
+                 digest: segments.Digest = segments.full_digest) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {FSYNC_POLICIES}, not {fsync!r}")
         if segment_bytes < 2 * DATA:
@@ -125,7 +117,7 @@ class RaftJournal(SegmentPool, LogMemory, Journal):
         self._meta_path = Path(f"{path}.meta")
         self._policy = fsync
         self._segment_bytes = segment_bytes
-        self._on_io_error = on_io_error
+        self._on_io_error, self._digest = on_io_error, digest  # digest: see segments.py
         self._lock = threading.Lock()
         self._changes = 0  # journal changes made ...
         self._synced = 0  # ... and how many of them an fdatasync has covered
@@ -145,7 +137,8 @@ class RaftJournal(SegmentPool, LogMemory, Journal):
         self._meta_lock = threading.Lock()
         legacy = self._path.exists()  # a single-file journal of an earlier kvps: moved over below
         loaded = segments.load(self._path, durable=fsync != "never",
-                               first_index=0 if legacy else first_index, on_damage=on_damage)
+                               first_index=0 if legacy else first_index, on_damage=on_damage,
+                               digest=digest)
         self._entries: list[Entry] = loaded.entries  # pysyncobj indexes and slices this
         self._locs: list[tuple[Segment, int]] = loaded.locs  # (segment, offset) of each record
         self._live: list[Segment] = loaded.live
@@ -171,8 +164,7 @@ class RaftJournal(SegmentPool, LogMemory, Journal):
             self._free += self._live
             self._live = []
             self._drop_entries()
-        fd, records = journal_file.open_file(self._path, version=VERSION,
-                                             durable=self._policy != "never",
+        fd, records = journal_file.open_file(self._path, version=VERSION, durable=self._policy != "never",
                                              first_index=first_index, on_damage=on_damage)
         os.close(fd)
         for entry in records.entries:
@@ -185,11 +177,17 @@ class RaftJournal(SegmentPool, LogMemory, Journal):
 
     def add(self, command: Any, idx: int, term: int) -> None:
         checked = CHECKED.pack(len(command), idx, term)
+        digest = self._digest(command) if len(command) else 0  # one pass; outside the lock
+        if digest is None:  # bytes failing the checksums they carry: not what the leader sent
+            exc = OSError(f"raft entry {idx} (term {term}): its command fails its own checksums")
+            self._on_io_error(exc, "checking an entry")
+            raise exc
         with self._lock:
             seg = self._active
             if seg is None or not seg.fits(len(command)):
                 seg = self._take(len(command))
-            crc = segments.record_sum(seg.epoch, checked, command)
+            crc = segments.record_sum(seg.epoch, checked, command, digest=lambda _: digest,
+                                      version=seg.version)
             self._write(seg, [CRC.pack(crc) + checked, command], seg.tail, "append")
             self._entries.append((command, idx, term))
             self._locs.append((seg, seg.tail))
@@ -229,7 +227,8 @@ class RaftJournal(SegmentPool, LogMemory, Journal):
                 dropped.append(seg)
             self._mark_free_now(dropped)  # first: a crash before the marker keeps the old suffix
             if offset != DATA:
-                self._write(seg, [segments.marker(seg.epoch)], offset, "truncating the journal")
+                self._write(seg, [segments.marker(seg.epoch, seg.version)], offset,
+                            "truncating the journal")
                 self._dirty.add(seg)
                 seg.tail = offset
                 seg.last = self._entries[entryFrom - 1][1]
@@ -325,7 +324,8 @@ class RaftJournal(SegmentPool, LogMemory, Journal):
         with self._lock:  # a clean stop ends the log with a marker (the next open starts anew)
             seg = self._active
             if seg is not None and seg.tail + RECORD.size <= seg.size:
-                self._write(seg, [segments.marker(seg.epoch)], seg.tail, "ending a segment")
+                self._write(seg, [segments.marker(seg.epoch, seg.version)], seg.tail,
+                            "ending a segment")
                 self._dirty.add(seg)
         if self._policy != "never":
             self._sync()
@@ -439,12 +439,12 @@ def _background(ref: weakref.ref, stop: threading.Event, kick: threading.Event, 
 
 
 def using_journal(path: str | Path, *, fsync: str, fsync_interval: float, first_index: int = 0,
-                  segment_bytes: int = 64 << 20,
-                  on_damage: Callable[[str], None] | None = None) -> AbstractContextManager[None]:
+                  segment_bytes: int = 64 << 20, on_damage: Callable[[str], None] | None = None,
+                  digest: segments.Digest = segments.full_digest) -> AbstractContextManager[None]:
     """While inside, a ``SyncObj`` constructed with ``journalFile=path`` gets a ``RaftJournal``
     with this policy (any other path: pysyncobj's own), dropping records below ``first_index``
     (the dump file's previous entry, 0 without one) and calling ``on_damage`` on damage.
     Raises ``RuntimeError`` if the block ends without pysyncobj asking for it."""
     make = partial(RaftJournal, fsync=fsync, fsync_interval=fsync_interval, first_index=first_index,
-                   segment_bytes=segment_bytes, on_damage=on_damage)
+                   segment_bytes=segment_bytes, on_damage=on_damage, digest=digest)
     return internals.journal_factory(path, make)

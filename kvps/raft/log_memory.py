@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from kvps.raft import segments
 from kvps.raft.journal_file import CRC, RECORD
@@ -33,9 +34,11 @@ RELEASE_MIN_BYTES = 1024
 class RecordReader:
     """Reads a released command back from its segment record (the journal's lock held)."""
 
-    def __init__(self, lock: threading.Lock, on_io_error: Callable[[OSError, str], None]) -> None:
+    def __init__(self, lock: threading.Lock, on_io_error: Callable[[OSError, str], None],
+                 digest: Callable[[Any], "int | None"] = segments.full_digest) -> None:
         self._lock = lock
         self._on_io_error = on_io_error
+        self._digest = digest
         self.reads = 0  # commands read back
         self.bytes_read = 0
 
@@ -52,7 +55,8 @@ class RecordReader:
                 raise
         crc, n, index, _ = RECORD.unpack(head) if len(head) == RECORD.size else (0, -1, -1, 0)
         if (n, index, len(command)) != (length, entry.index, length) \
-                or segments.record_sum(entry.epoch, head[CRC.size:], command) != crc:
+                or segments.record_sum(entry.epoch, head[CRC.size:], command, digest=self._digest,
+                                       version=seg.version) != crc:
             exc = OSError(f"record of entry {entry.index} in {seg.path} does not match what was "
                           "written")
             self._on_io_error(exc, "reading the journal back")
@@ -68,9 +72,10 @@ class LogMemory:
     _entries: list
     _locs: list
     _lock: threading.Lock
+    _digest: Callable[[Any], "int | None"]  # the journal's (set before _start_log_memory)
 
     def _start_log_memory(self, on_io_error: Callable[[OSError, str], None]) -> None:
-        self._reader = RecordReader(self._lock, on_io_error)
+        self._reader = RecordReader(self._lock, on_io_error, self._digest)
         self._held_from = 0
         self._held_bytes = sum(len(e[0]) for e in self._entries)
         self.released = {"entries": 0, "bytes": 0}  # released so far (counters)

@@ -87,7 +87,8 @@ class SegmentPool:
         to a free one (created if none is left) that a record of ``length`` bytes fits."""
         old = self._active
         if old is not None and old.tail + RECORD.size <= old.size:
-            self._write(old, [segments.marker(old.epoch)], old.tail, "ending a segment")
+            self._write(old, [segments.marker(old.epoch, old.version)], old.tail,
+                        "ending a segment")
             self._dirty.add(old)
         size = self._segment_bytes
         if DATA + 2 * RECORD.size + length > size:  # a segment of its own, unlinked when retired

@@ -10,12 +10,22 @@ Files, next to the journal's meta file: ``raft.journal.seg-NNNNNN``, each ``size
 configured ``journal_segment_bytes``; a record too big for one gets a segment of its own, which is
 unlinked when retired). Layout (little-endian)::
 
-    segment header  '<8sHHQQ'  magic b"KVPSRSEG", version (1), state (0 free, 1 live), epoch,
+    segment header  '<8sHHQQ'  magic b"KVPSRSEG", version (2), state (0 free, 1 live), epoch,
                                XXH3-64 of the fields before it; records start at offset 4096
     record          '<IIQQ'    checksum, command length, index, term; then the command bytes.
                                The checksum is the low 32 bits of XXH3-64 seeded with the
-                               segment's epoch, over the length, index and term, then the command
+                               segment's epoch, over the length, index and term, then the
+                               command's 64-bit digest (version 1: then the command itself)
     end marker      a record with length 0 and index 0: the segment's records end here
+
+A command's **digest** is the journal's ``digest(command)``: by default XXH3-64 of the command
+(a pass over it), or, for a journal whose every command is a checksummed frame (a kvps shard's:
+``kvps.command.entry_digest``), a digest of the frame's header that *verifies* each array
+against the checksum the frame carries and refuses (``None``) a frame whose bytes do not match
+them. The bytes are then hashed once on each replica, which is also their check on receipt, and
+the state machine applies them without checking them again. Epoch-independent, so the same
+command has the same digest on every replica. Segments of version 1 (an earlier kvps) are read
+with their own checksum and never appended to again.
 
 The **epoch** is a per-journal counter, bumped every time a segment is taken into use, and
 written into its header then. A record left in a recycled segment from an earlier use was summed
@@ -55,11 +65,13 @@ from kvps.raft.journal_file import CHECKED, CRC, RECORD, Entry
 
 __all__ = [
     "DATA", "FREE", "LIVE", "Loaded", "SEG_HEADER", "SEG_MAGIC", "Scan", "Segment", "create",
-    "load", "marker", "read_header", "record_sum", "scan", "segment_paths", "write_header",
+    "full_digest", "load", "prefixed_digest", "marker", "read_header", "record_sum", "scan", "segment_paths",
+    "write_header",
 ]
 
 SEG_MAGIC = b"KVPSRSEG"
-SEG_VERSION = 1
+SEG_VERSION = 2
+_VERSIONS = (1, 2)
 SEG_HEADER = struct.Struct("<8sHHQQ")  # magic, version, state, epoch, xxh3 of the fields before
 DATA = 4096  # records start here (the header has a page of its own)
 FREE, LIVE = 0, 1
@@ -67,18 +79,49 @@ FREE, LIVE = 0, 1
 logger = logging.getLogger("kvps.raft")
 
 
-def record_sum(epoch: int, checked: bytes, command: Any) -> int:
-    """A record's checksum: XXH3-64 seeded with its segment's epoch, over the checked header
-    fields, then the command bytes (low 32 bits)."""
-    h = xxhash.xxh3_64(checked, seed=epoch)
-    h.update(command)
-    return h.intdigest() & 0xFFFFFFFF
+Digest = Callable[[Any], "int | None"]
+_U64 = struct.Struct("<Q")
 
 
-def marker(epoch: int) -> bytes:
-    """The end marker of a segment in use with ``epoch``."""
+def full_digest(command: Any) -> int:
+    """The default digest: XXH3-64 of every byte of the command."""
+    return xxhash.xxh3_64_intdigest(command)
+
+
+def prefixed_digest(prefix: bytes, command_digest: Digest | None) -> Digest:
+    """A journal's digest for a group whose proposed commands (the entries starting with
+    ``prefix``) are checked and digested by ``command_digest`` (returning ``None`` for bytes that
+    fail their own checksums); every other entry (pysyncobj's own) is hashed whole."""
+    if command_digest is None:
+        return full_digest
+    n = len(prefix)
+
+    def digest(entry: Any) -> int | None:
+        if entry[:n] != prefix:
+            return full_digest(entry)
+        return command_digest(memoryview(entry)[n:])
+    return digest
+
+
+def record_sum(epoch: int, checked: bytes, command: Any, *, digest: Digest = full_digest,
+               version: int = SEG_VERSION) -> int | None:
+    """A record's checksum (low 32 bits of XXH3-64 seeded with its segment's epoch, over the
+    checked header fields, then the command's digest); ``None`` if ``digest`` refuses the command
+    (a frame whose arrays fail their checksums), which no stored checksum equals."""
+    if version == 1:  # an earlier kvps's segment: the command's bytes themselves
+        h = xxhash.xxh3_64(checked, seed=epoch)
+        h.update(command)
+        return h.intdigest() & 0xFFFFFFFF
+    d = digest(command) if len(command) else 0
+    if d is None:
+        return None
+    return xxhash.xxh3_64_intdigest(checked + _U64.pack(d), seed=epoch) & 0xFFFFFFFF
+
+
+def marker(epoch: int, version: int = SEG_VERSION) -> bytes:
+    """The end marker of a segment in use with ``epoch`` (holding records of ``version``)."""
     checked = CHECKED.pack(0, 0, 0)
-    return CRC.pack(record_sum(epoch, checked, b"")) + checked
+    return CRC.pack(record_sum(epoch, checked, b"", version=version)) + checked
 
 
 @dataclasses.dataclass(eq=False)
@@ -91,6 +134,7 @@ class Segment:
     size: int
     epoch: int = 0
     state: int = FREE
+    version: int = SEG_VERSION  # of the records it holds (a free one is rewritten as current)
     tail: int = DATA
     first: int = 0
     last: int = 0
@@ -151,7 +195,7 @@ def create(path: Path, number: int, size: int, *, durable: bool, prefault: bool)
 def write_header(segment: Segment, state: int, epoch: int) -> None:
     fields = SEG_HEADER.pack(SEG_MAGIC, SEG_VERSION, state, epoch, 0)[:-8]
     disk.pwrite_all(segment.fd, [fields, struct.pack("<Q", xxhash.xxh3_64_intdigest(fields))], 0)
-    segment.state, segment.epoch = state, epoch
+    segment.state, segment.epoch, segment.version = state, epoch, SEG_VERSION
 
 
 def read_header(seg_path: Path, fd: int) -> Segment:
@@ -163,12 +207,12 @@ def read_header(seg_path: Path, fd: int) -> Segment:
         raise CodecError(f"raft journal segment {seg_path}: not a kvps journal segment, magic "
                          f"{bytes(head[:8])!r}", path=str(seg_path))
     _, version, state, epoch, check = SEG_HEADER.unpack(head)
-    if version != SEG_VERSION:
+    if version not in _VERSIONS:
         raise CodecError(f"raft journal segment {seg_path}: unsupported format version {version}",
                          path=str(seg_path))
     if xxhash.xxh3_64_intdigest(head[:-8]) != check or state not in (FREE, LIVE):
         state = FREE
-    return Segment(seg_path, fd, size, epoch, state)
+    return Segment(seg_path, fd, size, epoch, state, version)
 
 
 @dataclasses.dataclass
@@ -183,18 +227,18 @@ class Scan:
     damaged: bool = False  # that is damage rather than a torn tail
 
 
-def scan(segment: Segment, after: Entry | None) -> Scan:
+def scan(segment: Segment, after: Entry | None, digest: Digest = full_digest) -> Scan:
     """The good records of ``segment`` (see the module docstring); ``after``: the log's last
     entry before this segment (None if none), which its first record must not go back on."""
     out = Scan([], [], DATA)
     with open(os.dup(segment.fd), "rb", buffering=1 << 20) as f:
         f.seek(DATA)
-        while not _read_record(f, segment, out, after):
+        while not _read_record(f, segment, out, after, digest):
             pass
     return out
 
 
-def _read_record(f: Any, segment: Segment, out: Scan, after: Entry | None) -> bool:
+def _read_record(f: Any, segment: Segment, out: Scan, after: Entry | None, digest: Digest) -> bool:
     """Read the record at ``out.end`` into ``out``; True once the segment's records end."""
     offset, size, epoch = out.end, segment.size, segment.epoch
     if offset + RECORD.size > size:
@@ -206,9 +250,9 @@ def _read_record(f: Any, segment: Segment, out: Scan, after: Entry | None) -> bo
         out.reason = f"record of {length} bytes runs past the end of the segment"
         return True
     command = f.read(length)
-    if record_sum(epoch, head[CRC.size:], command) != crc:
+    if record_sum(epoch, head[CRC.size:], command, digest=digest, version=segment.version) != crc:
         out.reason = f"checksum mismatch in the record at offset {offset}"
-        out.damaged = length > 0 and _good_record_at(segment, offset + RECORD.size + length)
+        out.damaged = length > 0 and _good_record_at(segment, offset + RECORD.size + length, digest)
         return True
     if length == 0 and index == 0:
         out.clean = True
@@ -226,7 +270,7 @@ def _read_record(f: Any, segment: Segment, out: Scan, after: Entry | None) -> bo
     return False
 
 
-def _good_record_at(segment: Segment, offset: int) -> bool:
+def _good_record_at(segment: Segment, offset: int, digest: Digest) -> bool:
     """Whether a record of the segment's epoch starts at ``offset``: then the bad record before
     it is damage, not a torn tail (no record is written after a torn one in the same use of a
     segment). An end marker there is no proof (a clean stop writes one after the last record);
@@ -238,7 +282,8 @@ def _good_record_at(segment: Segment, offset: int) -> bool:
     if index == 0 or length > segment.size - offset - RECORD.size:  # the end marker proves nothing
         return False
     command = os.pread(segment.fd, length, offset + RECORD.size)
-    return record_sum(segment.epoch, head[CRC.size:], command) == crc
+    return record_sum(segment.epoch, head[CRC.size:], command, digest=digest,
+                      version=segment.version) == crc
 
 
 @dataclasses.dataclass
@@ -255,7 +300,7 @@ class Loaded:
 
 
 def load(path: Path, *, durable: bool, first_index: int,
-         on_damage: Callable[[str], None] | None) -> Loaded:
+         on_damage: Callable[[str], None] | None, digest: Digest = full_digest) -> Loaded:
     """Open every segment of the journal at ``path`` and read the log back (module docstring),
     from ``first_index`` on: see ``kvps.raft.journal_file`` for why records below it go."""
     segments: list[Segment] = []
@@ -273,7 +318,7 @@ def load(path: Path, *, durable: bool, first_index: int,
         live = sorted((s for s in segments if s.state == LIVE), key=lambda s: s.epoch)
         unended: list[Segment] = []  # ended by a bad record: an end marker goes there
         for k, seg in enumerate(live):
-            found = scan(seg, out.entries[-1] if out.entries else None)
+            found = scan(seg, out.entries[-1] if out.entries else None, digest)
             if found.entries and out.entries and found.entries[0][1] <= out.entries[-1][1]:
                 cut = len(out.entries) - (out.entries[-1][1] - found.entries[0][1] + 1)
                 del out.entries[cut:], out.locs[cut:]  # a later segment replaces the log from here
@@ -295,7 +340,7 @@ def load(path: Path, *, durable: bool, first_index: int,
                 break
         for seg in unended:
             if seg.tail + RECORD.size <= seg.size:
-                disk.pwrite_all(seg.fd, [marker(seg.epoch)], seg.tail)
+                disk.pwrite_all(seg.fd, [marker(seg.epoch, seg.version)], seg.tail)
                 if durable:
                     disk.fdatasync(seg.fd)
         _drop_covered(path, out, first_index)

@@ -113,7 +113,8 @@ class Replica:
             snapshot_state=self._snapshot_state, restore_state=self._restore_state,
             on_role_change=self._on_role_change, busy=self._serving_recently,
             bind_address=cfg.node(node_id).raft_bind(cfg.node(node_id).port_base + 2 * shard),
-            ticker=ticker, on_halted=on_halted, autostart=False)
+            ticker=ticker, on_halted=on_halted, autostart=False,
+            command_digest=frame.verified_digest)
         # pysyncobj's own tick thread stops when the thread that built the group exits: build it
         # here. A ticker builds it on its thread (opening the journal): wait for that in a worker
         # thread, so the loop keeps serving the node's other replicas; it ticks (and replays the
@@ -142,7 +143,9 @@ class Replica:
 
     def _apply(self, data: bytes) -> Any:
         try:
-            cmd = decode_command(data)
+            # the journal checked the arrays against their checksums when it wrote (or read
+            # back) this entry, on this replica (ShardGroup's command_digest): not again here
+            cmd = decode_command(data, verify=False)
         except (CodecError, InvalidRequest) as exc:
             log.error("shard %d: undecodable log entry (%d bytes): %s", self.shard, len(data), exc)
             return InvalidRequest(f"undecodable command: {exc}")

@@ -14,6 +14,7 @@ import threading
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pysyncobj.syncobj
 import pytest
 import xxhash
@@ -30,8 +31,10 @@ from kvps.config import (
     dump_cluster,
     load_cluster,
 )
+from kvps.delta import frame
 from kvps.errors import CodecError, ConfigError
 from kvps.raft import disk, journal_file, segments
+from kvps.raft.group import _ENTRY_PREFIX
 from kvps.raft.journal import MAGIC, SEG_MAGIC, RaftJournal, using_journal
 from kvps.raft.log_memory import RELEASE_MIN_BYTES
 from kvps.raft.released import Released
@@ -123,10 +126,12 @@ def test_round_trip_entries_and_layout(tmp_path):
     data = seg.read_bytes()
     assert len(data) == SEGMENT  # preallocated: appends never grow a file
     magic, version, state, epoch, _ = SEG_HEADER.unpack_from(data, 0)
-    assert (magic, version, state) == (SEG_MAGIC, 1, 1) and epoch >= 1
+    assert (magic, version, state) == (SEG_MAGIC, 2, 1) and epoch >= 1
     crc, length, index, term = struct.unpack_from("<IIQQ", data, DATA)
     assert (length, index, term) == (100, 7, 2)
-    assert crc == segments.record_sum(epoch, data[DATA + 4:DATA + RECORD], data[DATA + RECORD:DATA + RECORD + 100])
+    command = data[DATA + RECORD:DATA + RECORD + 100]  # summed as the epoch-seeded XXH3 of the
+    digest = struct.pack("<Q", xxhash.xxh3_64_intdigest(command))  # fields and the command's
+    assert crc == xxhash.xxh3_64_intdigest(data[DATA + 4:DATA + RECORD] + digest, seed=epoch) & 0xFFFFFFFF
     j = open_journal(path)
     assert entries(j) == added
     j.add(b"after", 13, 3)  # appends go on, in a fresh segment
@@ -134,6 +139,61 @@ def test_round_trip_entries_and_layout(tmp_path):
     j._destroy()
     assert entries(open_journal(path))[-1] == (b"after", 13, 3)
     assert all(p.stat().st_size == SEGMENT for p in segment_files(tmp_path))
+
+
+def frame_command(k: int, n: int = 64) -> bytes:
+    """A proposed entry as a kvps shard's group journals it: the entry prefix, then a frame."""
+    arrays = [np.arange(n, dtype=np.float32) + k, np.full(n // 2, k, dtype=np.int64)]
+    return bytes(_ENTRY_PREFIX) + frame.encode(frame.KIND_COMMAND, {"k": k}, arrays)
+
+
+def frame_digest_journal(path: Path, **kwargs) -> RaftJournal:
+    return open_journal(path, digest=segments.prefixed_digest(_ENTRY_PREFIX, frame.verified_digest), **kwargs)
+
+
+def test_a_frame_journal_checks_each_command_once_and_its_records_cover_every_byte(tmp_path):
+    """With a shard's digest the record checksum covers the frame's head, which carries every
+    array's checksum: a byte flipped in an array on disk still ends the log there, and a command
+    failing its own checksums is refused before it is written (one pass, no second hash)."""
+    path = tmp_path / "raft.journal"
+    j = frame_digest_journal(path)
+    added = [(frame_command(k), k + 1, 1) for k in range(6)]
+    for entry in added:
+        j.add(*entry)
+    j.add(b"\x01no-op", 7, 1)  # pysyncobj's own entries: hashed whole, as before
+    added.append((b"\x01no-op", 7, 1))
+    bad = bytearray(frame_command(99))
+    bad[-3] ^= 0x40  # an array byte: the frame's head still parses
+    with pytest.raises(IOErrorSeen, match="checking an entry"):
+        j.add(bytes(bad), 8, 1)
+    assert entries(j) == added
+    seg, offset = record_at(j, 3)
+    j._destroy()
+    assert entries(frame_digest_journal(path)) == added
+    data = bytearray(seg.read_bytes())
+    data[offset + RECORD + len(added[3][0]) - 5] ^= 0x01  # in entry 4's last array
+    seg.write_bytes(bytes(data))
+    assert entries(frame_digest_journal(path)) == added[:3]
+
+
+def test_segments_of_the_first_format_are_read_and_then_left_for_new_ones(tmp_path, monkeypatch):
+    """Version 1 records (the epoch-seeded hash of the command itself) keep reading after an
+    upgrade; appends go to a fresh segment of the current version."""
+    path = tmp_path / "raft.journal"
+    monkeypatch.setattr(segments, "SEG_VERSION", 1)
+    j = open_journal(path)
+    added = fill(j, 4)
+    old_seg, _ = record_at(j, 0)
+    j._destroy()
+    monkeypatch.undo()
+    assert SEG_HEADER.unpack_from(old_seg.read_bytes(), 0)[1] == 1
+    j = open_journal(path)
+    assert entries(j) == added
+    j.add(b"new", 5, 1)
+    new_seg, _ = record_at(j, 4)
+    j._destroy()
+    assert new_seg != old_seg and SEG_HEADER.unpack_from(new_seg.read_bytes(), 0)[1] == 2
+    assert entries(open_journal(path)) == added + [(b"new", 5, 1)]
 
 
 def crashed_copy(folder: Path, name: str) -> Path:

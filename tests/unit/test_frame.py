@@ -370,3 +370,27 @@ def test_golden_xxh3_frames_decode_exactly_and_raw_ones_encode_identically(name)
     assert struct.unpack_from("<H", data, 6)[0] == FLAG_XXH3
     if codec == "none":  # raw frames are fully pinned; lz4 output may vary across lz4 releases
         assert encode(kind, meta, arrays, codec=codec) == data
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), codec=st.sampled_from(["none", "lz4"]))
+def test_verified_digest_checks_every_byte_once_and_identifies_the_frame(seed, codec):
+    """One pass: the digest of a good frame is that of its head (which carries the arrays'
+    checksums); any byte flipped, in the head or in an array, gives None or another digest;
+    decode(verify=False) then reads what decode reads."""
+    rng = np.random.default_rng(seed)
+    arrays = [rng.standard_normal(int(rng.integers(1, 300))).astype(np.float32),
+              rng.integers(0, 9, int(rng.integers(0, 40))).astype(np.int64)]
+    data = frame.encode(frame.KIND_COMMAND, {"seed": seed}, arrays, codec=codec)
+    digest = frame.verified_digest(data)
+    assert digest is not None, seed
+    assert digest == frame.verified_digest(bytearray(data))  # the bytes, not the object
+    trusted = frame.decode(data, verify=False)
+    checked = frame.decode(data)
+    assert all(np.array_equal(a, b) for a, b in zip(trusted.arrays, checked.arrays)), seed
+    at = int(rng.integers(0, len(data)))
+    bad = bytearray(data)
+    bad[at] ^= 1 << int(rng.integers(0, 8))
+    assert frame.verified_digest(bad) != digest, (seed, at)  # None, or another frame's
+    assert frame.verified_digest(b"not a frame at all") is None
+    assert frame.verified_digest(data[:-1]) is None, seed
