@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvps.command import CreateKey
+from kvps.delta import frame
 from kvps.errors import InvalidRequest, KvpsError, ShapeMismatch
 from kvps.optimizer import fitted_state, optimizer_from_dict
 from kvps.placement import DenseLayout
@@ -95,6 +96,7 @@ class Slots:
             arr = queue.popleft()
             if sys.getrefcount(arr) == 2:  # this name and the call's argument: nobody else
                 self.kept -= arr.nbytes
+                frame.forget_sum(arr)  # its checksum, remembered for pulls, is about to be wrong
                 arr.flags.writeable = True
                 return arr
             queue.append(arr)  # still read somewhere

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import struct
+import weakref
 import zlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ __all__ = [
     "encode",
     "encode_parts",
     "head_size",
+    "forget_sum",
     "verified_digest",
 ]
 
@@ -82,6 +84,50 @@ _MASK32 = 0xFFFFFFFF
 
 def _xxh3_32(data) -> int:
     return xxhash.xxh3_64_intdigest(data) & _MASK32
+
+
+# The checksums of read-only arrays of 64 KiB or more that travel uncompressed, by id() with a weak
+# reference to tell a reused id apart: a shard's block value is summed once however many workers
+# pull it, and a gradient checked on receipt is not summed again in the Raft command that carries
+# it. Read-only arrays do not change (a dense block's value is rewritten only once nothing refers
+# to it, and kvps.dense.Slots calls forget_sum first); a writeable one (a caller's) is summed
+# every time.
+_SUM_MIN_BYTES = 64 * 1024
+_NONE = _codec.CODEC_NONE
+_known_sums: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _remember_sum(arr: np.ndarray, crc: int) -> None:
+    key = id(arr)
+
+    def gone(ref: weakref.ref, key: int = key) -> None:  # runs before the id can be reused
+        known = _known_sums.get(key)
+        if known is not None and known[0] is ref:
+            _known_sums.pop(key, None)
+    try:
+        _known_sums[key] = (weakref.ref(arr, gone), crc)
+    except TypeError:  # an object without weak references: summed every time
+        pass
+
+
+def _remembered(arr: np.ndarray) -> bool:
+    return not arr.flags.writeable and arr.nbytes >= _SUM_MIN_BYTES
+
+
+def _array_sum(arr: np.ndarray, codec_code: int, wire) -> int:
+    if codec_code != _NONE or not _remembered(arr):
+        return _xxh3_32(wire)
+    known = _known_sums.get(id(arr))
+    if known is not None and known[0]() is arr:
+        return known[1]
+    crc = _xxh3_32(wire)
+    _remember_sum(arr, crc)
+    return crc
+
+
+def forget_sum(arr: np.ndarray) -> None:
+    """Before a read-only array is made writeable and rewritten: its remembered checksum goes."""
+    _known_sums.pop(id(arr), None)
 
 
 _CHECKSUMS = {0: zlib.crc32, FLAG_XXH3: _xxh3_32}  # flags -> the checksum of every u32 sum field
@@ -187,7 +233,8 @@ def encode_parts(
         if arr.ndim > MAX_NDIM:
             raise CodecError(f"array has {arr.ndim} dims, cap {MAX_NDIM}")
         codec_code, wire = _codec.compress(arr, array_codec)
-        descr.append(_DESCR.pack(code, codec_code, arr.ndim, _xxh3_32(wire), arr.nbytes, len(wire)))
+        crc = _array_sum(arr, codec_code, wire)
+        descr.append(_DESCR.pack(code, codec_code, arr.ndim, crc, arr.nbytes, len(wire)))
         descr.extend(_DIM.pack(d) for d in arr.shape)
         wires.append(wire)
     descr_bytes = b"".join(descr)
@@ -273,6 +320,9 @@ def _decode_array(d: _Descr, wire: memoryview, array_sum) -> np.ndarray:
     if d.dtype_code == 8 and arr.size and arr.view(np.uint8).max() > 1:
         raise CodecError("bool array holds bytes other than 0 and 1")
     arr.flags.writeable = False  # uniform: views on the input must not be mutated through us
+    if array_sum is _CHECKSUMS[FLAG_XXH3] and d.codec_code == _NONE and _remembered(arr):
+        # checked against its XXH3: encoding it again (a push's Raft command) skips the sum
+        _remember_sum(arr, d.crc)
     return arr
 
 

@@ -394,3 +394,44 @@ def test_verified_digest_checks_every_byte_once_and_identifies_the_frame(seed, c
     assert frame.verified_digest(bad) != digest, (seed, at)  # None, or another frame's
     assert frame.verified_digest(b"not a frame at all") is None
     assert frame.verified_digest(data[:-1]) is None, seed
+
+
+def test_a_remembered_checksum_never_outlives_the_bytes_it_was_taken_of():
+    """Read-only arrays of 64 KiB or more have their checksum remembered (a block pulled by
+    every worker is summed once; a checked gradient is not summed again in its Raft command):
+    a block value rewritten in place through kvps.dense.Slots, or any writeable array changed
+    between encodes, still encodes with the checksum of its bytes now."""
+    from kvps.dense import Slots, frozen
+
+    n = 64 * 1024 // 4
+    calls = []
+    real = frame._xxh3_32
+
+    def counting(data):
+        calls.append(len(data))
+        return real(data)
+
+    value = frozen(np.arange(n, dtype=np.float32))
+    first = frame.encode(frame.KIND_RESPONSE, {}, [value])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(frame, "_xxh3_32", counting)
+        again = frame.encode(frame.KIND_RESPONSE, {}, [value])
+        assert again == first and n * 4 not in calls  # remembered: not summed again
+        decoded = frame.decode(first).arrays[0]  # checked on receipt ...
+        calls.clear()
+        frame.encode(frame.KIND_COMMAND, {}, [decoded])
+        assert n * 4 not in calls  # ... and not summed again when it travels on
+    slots = Slots()
+    ident = id(value)
+    slots.retire(value)
+    del value, again, decoded
+    reused = slots.take((n,), np.dtype(np.float32))
+    assert reused is not None and id(reused) == ident  # the same array object, rewritten
+    reused[:] = 7.0
+    frozen(reused)
+    out = frame.decode(frame.encode(frame.KIND_RESPONSE, {}, [reused])).arrays[0]
+    assert np.array_equal(out, np.full(n, 7.0, np.float32))
+    mutable = np.zeros(n, np.float32)  # a caller's array: never remembered
+    frame.encode(frame.KIND_REQUEST, {}, [mutable])
+    mutable += 1
+    assert np.array_equal(frame.decode(frame.encode(frame.KIND_REQUEST, {}, [mutable])).arrays[0], mutable)
