@@ -4,7 +4,12 @@ One connection per client carries requests for every replica the node hosts, pip
 request body is received straight into a buffer of its declared size (``BufferedProtocol``: the
 kernel copies into it, nothing copies it again before the frame decoder reads it), each request
 runs as its own task, and each answer is written as soon as it is ready, as its parts (head, then
-the response frame's header and arrays) with no joining.
+the response frame's header and arrays) with no joining. On a plain TCP connection the answers go
+out through ``sendmsg`` on a duplicate of the connection's socket, straight from those parts:
+asyncio's transport (3.11) copies whatever the socket does not take at once into a buffer of its
+own, which for a pull of megabytes is most of it (a copy into growing, fresh memory on the loop's
+thread). Answers leave in the order they are ready, one at a time; TLS connections write
+through the transport.
 
 What the HTTP data port gives, this gives too: the token is checked at the hello and again, for its
 role, on every request (a token removed from the token file stops working on open connections
@@ -20,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import socket
 import ssl as ssl_
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -92,6 +99,8 @@ class _NoSeries:
 
 _HELLO, _TOKEN, _HEAD, _OP, _BODY, _DISCARD = range(6)
 _LINGER = 2.0  # seconds a refused connection's input is read and dropped before it is closed
+_MAX_IOV = 512  # buffers per sendmsg (the kernel takes at most IOV_MAX, 1024 on Linux)
+_QUEUED_HIGH = 8 << 20  # answer bytes waiting to be sent past which finished requests wait to answer
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -115,6 +124,11 @@ class _Connection(asyncio.BufferedProtocol):
         self._write_ready: asyncio.Future | None = None
         self._closing = False
         self._admitted = False  # counted as open (not refused by the per-peer cap)
+        self._sock: socket.socket | None = None  # a duplicate to send answers on (plain TCP)
+        self._outq: deque[list] = deque()  # answers waiting to be sent, each as its buffers
+        self._queued = 0  # their bytes
+        self._sender: asyncio.Task | None = None
+        self._eof_after_send = False
 
     # -- connection events ----------------------------------------------------------------------
 
@@ -131,6 +145,10 @@ class _Connection(asyncio.BufferedProtocol):
             return
         self._admitted = True
         self.server.open.inc()
+        raw = transport.get_extra_info("socket")
+        if raw is not None and transport.get_extra_info("sslcontext") is None:
+            self._sock = socket.socket(fileno=os.dup(raw.fileno()))
+            self._sock.setblocking(False)
         self._arm(self.server.body_timeout, "hello")
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -145,6 +163,13 @@ class _Connection(asyncio.BufferedProtocol):
         self._disarm()
         if self._write_ready is not None and not self._write_ready.done():
             self._write_ready.set_result(None)
+        if self._sender is not None:
+            self._sender.cancel()
+        self._outq.clear()
+        if self._sock is not None:  # the transport closed its descriptor: this one ends the socket
+            asyncio.get_running_loop().remove_writer(self._sock.fileno())  # a send waiting on it
+            self._sock.close()
+            self._sock = None
 
     def pause_writing(self) -> None:
         if self._write_ready is None or self._write_ready.done():
@@ -186,7 +211,9 @@ class _Connection(asyncio.BufferedProtocol):
         self._state, self._got = _DISCARD, 0
         self._want = memoryview(bytearray(16384))
         if self.transport is not None:
-            if self.transport.can_write_eof():
+            if self._sender is not None:
+                self._eof_after_send = True  # once the answer is out
+            elif self.transport.can_write_eof():
                 self.transport.write_eof()
             asyncio.get_running_loop().call_later(_LINGER, self.transport.close)
 
@@ -273,9 +300,71 @@ class _Connection(asyncio.BufferedProtocol):
     def _reply(self, rid: int, status: int, parts: list) -> None:
         if self._closing or self.transport is None or self.transport.is_closing():
             return
-        self.transport.write(wire.response_head(sum(len(p) for p in parts), rid, status))
-        for part in parts:  # one sequence with no await: answers never interleave
-            self.transport.write(part)
+        head = wire.response_head(sum(len(p) for p in parts), rid, status)
+        if self._sock is None:  # TLS: through the transport (which copies what it cannot send)
+            self.transport.write(head)
+            for part in parts:  # one sequence with no await: answers never interleave
+                self.transport.write(part)
+            return
+        bufs = [memoryview(head), *(memoryview(p).cast("B") for p in parts)]
+        if not self._outq:
+            try:
+                bufs = _sent(bufs, self._sock.sendmsg(bufs[:_MAX_IOV]))  # most answers: all of it
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as exc:
+                self._lost(exc)
+                return
+            if not bufs:
+                return
+        self._outq.append(bufs)
+        self._queued += sum(len(b) for b in bufs)
+        if self._queued > _QUEUED_HIGH:
+            self.pause_writing()
+        if self._sender is None:
+            self._sender = asyncio.get_running_loop().create_task(self._send_queued())
+
+    async def _send_queued(self) -> None:
+        """Send the queued answers in order, waiting for the socket to take more."""
+        loop = asyncio.get_running_loop()
+        sock = self._sock
+        assert sock is not None
+        try:
+            while self._outq:
+                bufs = self._outq[0]
+                while bufs:
+                    try:
+                        n = sock.sendmsg(bufs[:_MAX_IOV])
+                    except (BlockingIOError, InterruptedError):
+                        writable = loop.create_future()
+                        loop.add_writer(sock.fileno(), _settle, writable)
+                        try:
+                            await writable
+                        finally:
+                            if sock.fileno() >= 0:  # (closed: connection_lost removed it)
+                                loop.remove_writer(sock.fileno())
+                        continue
+                    self._queued -= n
+                    bufs = _sent(bufs, n)
+                self._outq.popleft()
+                if self._queued <= _QUEUED_HIGH // 2:
+                    self.resume_writing()
+        except OSError as exc:
+            self._lost(exc)
+        finally:
+            self._sender = None
+            if self._eof_after_send and self.transport is not None and not self.transport.is_closing():
+                self.transport.write_eof()
+
+    def _lost(self, exc: OSError) -> None:
+        """Sending failed (the client went away): drop what waits and close."""
+        log.debug("%s: sending to %s failed: %s", self.server.name, self.peer, exc)
+        self._outq.clear()
+        self._queued = 0
+        self._closing = True
+        self.resume_writing()
+        if self.transport is not None:
+            self.transport.abort()
 
     def _fail(self, rid: int, exc: KvpsError) -> None:
         """Answer ``exc`` and close: the connection cannot go on (bad hello or header)."""
@@ -308,6 +397,23 @@ class _Connection(asyncio.BufferedProtocol):
             return
         exc = Timeout(f"request {what} not received within {self.server.body_timeout}s")
         self._fail(self._head[1] if what == "body" else 0, exc)
+
+
+def _settle(fut: asyncio.Future) -> None:
+    if not fut.done():  # the writer may fire again before the waiting task removes it
+        fut.set_result(None)
+
+
+def _sent(bufs: list, n: int) -> list:
+    """``bufs`` after their first ``n`` bytes went out."""
+    k = 0
+    while k < len(bufs) and n >= len(bufs[k]):
+        n -= len(bufs[k])
+        k += 1
+    rest = bufs[k:]
+    if n and rest:
+        rest[0] = rest[0][n:]
+    return rest
 
 
 def _error_json(exc: KvpsError) -> bytes:

@@ -415,6 +415,45 @@ def test_large_answers_arrive_whole_into_read_only_buffers_of_their_own(tmp_path
     asyncio.run(main())
 
 
+def test_answers_go_out_from_their_parts_in_order_and_a_reader_gone_mid_answer_is_dropped(tmp_path):
+    """On plain TCP the node sends answers with sendmsg straight from their parts, never through
+    the transport's buffer (which would copy what the socket does not take at once), in the
+    order they are ready; a client that closes while megabytes are still queued for it is
+    dropped and the node goes on serving."""
+    async def main():
+        server, port = await _server(tmp_path, Stand(), max_body=64 << 20)
+        client = WireTransport(TOKEN)
+        where = ("127.0.0.1", port, False)
+        rng = np.random.default_rng(5)
+        try:
+            await client.request(where, 0, "keys", kc.Body([b"hi"]), timeout=5)
+            copied = []
+            for conn in server.connections:  # from here on, nothing may go through the transport
+                conn.transport.write = copied.append
+            bodies = [rng.integers(0, 255, n, dtype=np.uint8) for n in (12 << 20, 7, 5 << 20)]
+            answers = await asyncio.gather(*(client.request(where, 0, "pull", kc.Body([b]), timeout=30)
+                                             for b in bodies))
+            assert [_answer(d)[1] for _, d in answers] == [b.tobytes() for b in bodies]
+            assert copied == []
+            # a raw client asks for 24 MiB twice, reads 1 KiB and goes away
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            big = bytes(24 << 20)
+            writer.write(wire.encode_hello(TOKEN))
+            for rid in (1, 2):
+                writer.write(wire.request_head(len(big), rid, 0, "pull", "gone") + big)
+            await reader.readexactly(wire.RESPONSE.size + 4)  # the hello's answer ...
+            await reader.readexactly(1024)  # ... and the start of the first
+            writer.transport.abort()
+            await until(lambda: len(server.connections) == 1, "the gone client's connection dropped",
+                        timeout=10)
+            status, data = await client.request(where, 0, "keys", kc.Body([b"still"]), timeout=5)
+            assert status == 200 and _answer(data)[1] == b"still"
+        finally:
+            await client.close()
+            await server.close()
+    asyncio.run(main())
+
+
 def test_request_bodies_land_in_recycled_buffers_and_a_kept_body_is_never_written_over(tmp_path):
     """The node receives each body into a buffer reused once nothing refers to it (kvps.buffers):
     a body a request kept (as a log entry keeps its gradients) stays as it arrived."""
