@@ -19,13 +19,13 @@ unlinked when retired). Layout (little-endian)::
     end marker      a record with length 0 and index 0: the segment's records end here
 
 A command's **digest** is the journal's ``digest(command)``: by default XXH3-64 of the command
-(a pass over it), or, for a journal whose every command is a checksummed frame (a kvps shard's:
-``kvps.command.entry_digest``), a digest of the frame's header that *verifies* each array
-against the checksum the frame carries and refuses (``None``) a frame whose bytes do not match
-them. The bytes are then hashed once on each replica, which is also their check on receipt, and
-the state machine applies them without checking them again. Epoch-independent, so the same
-command has the same digest on every replica. Segments of version 1 (an earlier kvps) are read
-with their own checksum and never appended to again.
+(a pass over it), or, for a journal whose proposed commands are checksummed frames (a kvps
+shard's: ``prefixed_digest`` of ``kvps.delta.frame.verified_digest``), a digest of the frame's
+head that *verifies* each array against the checksum the frame carries and refuses (``None``) a
+frame whose bytes do not match them. The bytes are then hashed once on each replica, which is
+also their check on receipt, and the state machine applies them without checking them again.
+Epoch-independent, so the same command has the same digest on every replica. Segments of
+version 1 (an earlier kvps) are read with their own checksum and never appended to again.
 
 The **epoch** is a per-journal counter, bumped every time a segment is taken into use, and
 written into its header then. A record left in a recycled segment from an earlier use was summed
@@ -65,8 +65,8 @@ from kvps.raft.journal_file import CHECKED, CRC, RECORD, Entry
 
 __all__ = [
     "DATA", "FREE", "LIVE", "Loaded", "SEG_HEADER", "SEG_MAGIC", "Scan", "Segment", "create",
-    "full_digest", "load", "prefixed_digest", "marker", "read_header", "record_sum", "scan", "segment_paths",
-    "write_header",
+    "full_digest", "load", "marker", "prefixed_digest", "read_header", "record_sum", "scan",
+    "segment_paths", "write_header",
 ]
 
 SEG_MAGIC = b"KVPSRSEG"
