@@ -60,8 +60,8 @@ __all__ = [
     "decode",
     "encode",
     "encode_parts",
-    "head_size",
     "forget_sum",
+    "head_size",
     "verified_digest",
 ]
 
