@@ -361,6 +361,13 @@ class ShardState:
             raise InvalidRequest("row ids must be a 1-d integer array", key=key)
         return self._entry(key, "table").versions_of(ids.astype(np.int64))  # type: ignore[union-attr]
 
+    def changed_rows(self, key: str, ids: np.ndarray, have: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the current version of every row in ``ids``, the values of those whose version differs
+        from ``have``), from one lookup of the ids."""
+        if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu" or ids.ndim != 1:
+            raise InvalidRequest("row ids must be a 1-d integer array", key=key)
+        return self._entry(key, "table").changed(ids.astype(np.int64), have)  # type: ignore[union-attr]
+
     def clocks(self, job: str, now: float) -> dict[str, int]:
         """The live worker clocks of ``job`` at ``now`` (the reader's time)."""
         return self._clocks.live(job, now)

@@ -181,6 +181,21 @@ class Table:
         versions[stored] = self.versions[slots[stored]]
         return values, versions
 
+    def changed(self, ids: np.ndarray, have: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(versions (n,) int64 of rows ``ids``, values (m, dim) copy of the m rows whose version
+        differs from ``have``, in ``ids`` order), from one index lookup; rows not stored: the
+        initializer's value at version ``floor``."""
+        slots = self.slots_of(ids)
+        stored = slots >= 0
+        versions = np.full(len(ids), self.floor, dtype=np.int64)  # (n,)
+        versions[stored] = self.versions[slots[stored]]
+        diff = versions != have
+        slots, stored = slots[diff], stored[diff]
+        values = np.empty((len(slots), self.dim), dtype=self.dtype)  # (m, dim)
+        values[stored] = self.values[slots[stored]]
+        values[~stored] = self.init.rows(ids[diff][~stored], self.dim, self.dtype)
+        return versions, values
+
     def versions_of(self, ids: np.ndarray) -> np.ndarray:
         """(n,) int64 versions of rows ``ids``; rows not stored: ``floor``."""
         slots = self.slots_of(ids)

@@ -294,7 +294,7 @@ async def _pull_rows(replica: Replica, req: frame.Frame):
     have = rq.array(req, req.meta.get("have"))
     if have.shape != ids.shape or have.dtype != np.int64:
         raise InvalidRequest("'have' must be int64 versions, one per id", key=key)
-    current, values = replica.host.lookup(lambda s: _changed_rows(s, key, ids, have))
+    current, values = replica.host.lookup(lambda s: s.changed_rows(key, ids, have))
     changed = np.flatnonzero(current != have)  # (m,) positions in ids
     replica.stats.count_pull(values.nbytes)
     return ({"changed": 0, "versions": 1, "rows": 2, **short}, (changed.astype(np.int64), current[changed], values),
@@ -437,14 +437,6 @@ async def _snapshot_prepare(replica: Replica, req: frame.Frame):
         raise InvalidRequest("sources must be data URLs", field="sources")
     return await replica.snapshots.prepare(rq.field(m, "snap_id", str), rq.field(m, "digest", str),
                                            sources), ()
-
-
-def _changed_rows(state, key: str, ids: np.ndarray, have: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(the current version of every row in ``ids``, the values of those whose version differs
-    from ``have``), read in one lookup."""
-    current = state.row_versions(key, ids)
-    values, _ = state.read_rows(key, ids[current != have])
-    return current, values
 
 
 HANDLERS: dict[str, Handler] = {

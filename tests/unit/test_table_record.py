@@ -11,7 +11,7 @@ from kvps.errors import CapacityExceeded, CodecError
 from kvps.delta import frame
 from kvps.optimizer import FTRL, SGD, Adagrad, Adam, Add, RowWiseAdagrad, clipped, optimizer_to_dict
 from kvps.record import INDEX_BYTES, U32_MAX
-from kvps.rows import MIN_LOAD, RowIndex
+from kvps.rows import MIN_LOAD, WINDOW, RowIndex
 from kvps.shard import ShardState
 
 ZEROS = {"name": "zeros"}
@@ -196,3 +196,38 @@ def test_the_index_never_costs_more_than_its_accounted_bytes_while_rows_are_adde
     assert n > 190_000 and worst <= INDEX_BYTES, worst
     assert (index.find(keys[:n], keys)[0] == np.arange(n)).all()
     assert (index.find(keys[:n] + 1, keys)[0] == -1).all()
+
+
+def test_probe_sequences_that_wrap_past_the_end_and_run_longer_than_a_window():
+    """Ids that all start at the last positions of a small index: every probe wraps to the front
+    and most run past one window (the lookup inspects WINDOW positions per pass)."""
+    index = RowIndex()
+    size = len(index.table)
+    pool = np.arange(1, 200_000, dtype=np.int64)
+    tail = pool[index._start(pool) >= size - 2][: int(0.75 * size)]  # as many as the load allows
+    assert len(tail) > WINDOW
+    keys = np.zeros(len(tail) + 1, np.int64)
+    keys[: len(tail)] = tail
+    slots = np.arange(len(tail), dtype=np.int64)
+    index.insert(tail[::2], slots[::2], keys)  # in two batches: the second probes past the first
+    index.insert(tail[1::2], slots[1::2], keys)
+    assert len(index.table) == size  # no rebuild: the crowding is the test
+    got, where = index.find(tail, keys)
+    assert got.tolist() == slots.tolist()
+    assert sorted(where.tolist()) == sorted(set(where.tolist()))
+    assert (where < WINDOW).any()  # wrapped to the front
+    absent = pool[index._start(pool) >= size - 1][len(tail):len(tail) + 20]
+    assert (index.find(absent, keys)[0] == -1).all()
+
+
+def test_changed_rows_are_the_rows_read_whose_version_differs():
+    s = _state(optimizer_to_dict(SGD(lr=0.5)))
+    _push(s, 1, [2, 5, 9])
+    _push(s, 2, [5])
+    ids = np.int64([1, 2, 5, 9, 11])
+    values, versions = s.read_rows("e", ids)
+    have = versions.copy()
+    have[[0, 2]] = -1  # the caller lacks a row never stored and a stored one
+    current, changed = s.changed_rows("e", ids, have)
+    assert current.tolist() == versions.tolist()
+    assert np.array_equal(changed, values[[0, 2]])
