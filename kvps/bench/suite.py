@@ -242,8 +242,8 @@ def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dict
                 create_table(cluster.endpoints, cluster.token, plan.b6_work)
                 reports = run_workers(kvps_sparse_worker, (cluster.endpoints, cluster.token, plan.b6_work),
                                       plan.workers, warmup=plan.b6_warmup, seconds=plan.b6_seconds,
-                                      server=usage)
-                b6["kvps"] = {**_b6_figures(plan, reports),
+                                      server=lambda: {**usage(), **_replica_counters(cluster)})
+                b6["kvps"] = {**_b6_figures(plan, reports), **_b1_server_counters(reports[0].counters),
                               "semantics": "every row push applied exactly once"}
         if "b7" in sections:
             from kvps.bench.small_keys import kvps_small_keys
