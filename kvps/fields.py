@@ -11,7 +11,7 @@ import numpy as np
 from kvps.errors import InvalidRequest
 from kvps.placement import VALUE_DTYPES
 
-__all__ = ["array", "bad", "blocks", "float_array", "int64_array", "integer", "string", "time_stamp"]
+__all__ = ["array", "bad", "blocks", "float_array", "int64_array", "integer", "string", "time_stamp", "value_dtype"]
 
 
 def bad(name: str, what: str) -> InvalidRequest:
@@ -45,6 +45,12 @@ def array(value: Any, name: str, kinds: str = "f") -> np.ndarray:
 
 
 _VALUE_DTYPES = frozenset(np.dtype(n) for n in VALUE_DTYPES)  # native byte order
+_BY_NAME = {n: np.dtype(n) for n in VALUE_DTYPES}
+
+
+def value_dtype(name: str) -> np.dtype | None:
+    """The native dtype of value dtype ``name`` (None for any other name)."""
+    return _BY_NAME.get(name)
 
 
 def float_array(value: Any, name: str) -> np.ndarray:

@@ -2,6 +2,8 @@
 and per row through a table (each row steps only when it is pushed)."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -172,3 +174,30 @@ def test_from_dict_rejects_junk(junk):
 def test_float64_values_stay_float64():
     value, _ = Adam().step(np.ones(3), np.ones(3), Adam().init_state(np.ones(3)), 1)
     assert value.dtype == np.float64
+
+
+def test_definitions_are_cached_without_changing_what_they_turn_into():
+    """An optimizer definition is validated once and its instance shared (optimizers are frozen);
+    the cache tells 1, 1.0 and True apart, a caller changing the dict it got back changes nothing
+    for the next one, and bad definitions still raise every time."""
+    from kvps.optimizer import _optimizer_from_dict, normalized_optimizer
+
+    defs = [{"name": "sgd", "lr": 1}, {"name": "sgd", "lr": 1.0},
+            {"name": "adam", "lr": 0.5, "betas": [0.9, 0.99]}, {"lr": 0.5, "betas": [0.9, 0.99], "name": "adam"},
+            {"name": "add", "clip_norm": 2}, {"name": "add"}]
+    for d in defs * 2:
+        fresh = _optimizer_from_dict(d)
+        assert optimizer_from_dict(d) == fresh
+        assert optimizer_from_dict(d) is optimizer_from_dict(dict(d))
+        got = normalized_optimizer(d)
+        assert got == optimizer_to_dict(fresh) and json.dumps(got) == json.dumps(optimizer_to_dict(fresh))
+        got["name"] = "changed"
+        for v in got.values():
+            if isinstance(v, list):
+                v.append(0)
+    # lr True equals lr 1 as a dict value: a cache keyed by value would take it for valid
+    for bad in ({"name": "sgd", "lr": True}, {"name": "sgd"}, {"name": "nope"}, {"name": "sgd", "lr": 0.1, "x": 1},
+                ["sgd"]):
+        for _ in range(2):
+            with pytest.raises(InvalidRequest):
+                optimizer_from_dict(bad)
