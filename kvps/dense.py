@@ -29,6 +29,14 @@ from kvps.placement import DenseLayout
 __all__ = ["Block", "DenseKey", "Slots", "frozen"]
 
 
+def _as(value: Any, dtype: np.dtype) -> np.ndarray:
+    """``np.asarray(value, dtype)``, without its dtype handling when ``value`` is one already (an
+    optimizer's result; a 0-d key's comes back a numpy scalar)."""
+    if type(value) is np.ndarray and value.dtype == dtype:
+        return value
+    return np.asarray(value, dtype=dtype)
+
+
 def frozen(arr: np.ndarray) -> np.ndarray:
     arr.flags.writeable = False
     return arr
@@ -109,6 +117,7 @@ class DenseKey:
     def __init__(self, key: str, layout: DenseLayout, optimizer: dict, merge: str) -> None:
         self.key = key
         self.layout = layout
+        self.dtype = np.dtype(layout.dtype)
         self.optimizer_dict = optimizer
         self.optimizer = optimizer_from_dict(optimizer)
         self.merge = merge
@@ -154,8 +163,8 @@ class DenseKey:
                 slots.reused += 1
             else:  # not written into after all: kept for later
                 slots.retire(slot)
-        value = frozen(np.asarray(value, dtype=self.layout.dtype))
-        state = {k: frozen(np.asarray(v, dtype=self.layout.dtype)) for k, v in state.items()}
+        value = frozen(_as(value, self.dtype))
+        state = {k: frozen(_as(v, self.dtype)) for k, v in state.items()}
         return Block(value, old.version + count, old.step + 1, state)
 
     def replace_block(self, block: int, new: Block, slots: Slots | None = None) -> None:

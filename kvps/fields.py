@@ -11,7 +11,8 @@ import numpy as np
 from kvps.errors import InvalidRequest
 from kvps.placement import VALUE_DTYPES
 
-__all__ = ["array", "bad", "blocks", "float_array", "int64_array", "integer", "string", "time_stamp", "value_dtype"]
+__all__ = ["array", "bad", "blocks", "float_array", "int64_array", "integer", "is_value_array", "string",
+           "time_stamp", "value_dtype"]
 
 
 def bad(name: str, what: str) -> InvalidRequest:
@@ -60,6 +61,12 @@ def float_array(value: Any, name: str) -> np.ndarray:
     if arr.dtype not in _VALUE_DTYPES and arr.dtype.name not in VALUE_DTYPES:
         raise bad(name, f"one of {VALUE_DTYPES}")
     return arr
+
+
+def is_value_array(value: Any) -> bool:
+    """Is ``value`` an ndarray of a value dtype in native byte order (what ``float_array``
+    returns as it is)? A quick check for the common case; False says nothing."""
+    return type(value) is np.ndarray and value.dtype in _VALUE_DTYPES
 
 
 def int64_array(value: Any, name: str) -> np.ndarray:

@@ -51,6 +51,13 @@ def pack_into(entries: list[dict], values: list[np.ndarray], arrays: list) -> in
 def view(packs: Sequence[np.ndarray], ref: Any) -> np.ndarray:
     """The value ``ref`` (``[pack, at, shape]``) names: a view of its pack. ``ValueError`` when
     the reference is malformed or reaches outside a 1-d pack (callers raise their own error)."""
+    if type(ref) is list and len(ref) == 3:  # the common case, checked in fewer steps: 1-d values
+        p, at, shape = ref
+        if (type(p) is int and type(at) is int and type(shape) is list and len(shape) == 1
+                and type(shape[0]) is int and 0 <= p < len(packs) and at >= 0 and shape[0] >= 0):
+            arr, n = packs[p], shape[0]
+            if arr.ndim == 1 and at + n <= arr.shape[0]:
+                return arr[at:at + n]
     if not (isinstance(ref, (list, tuple)) and len(ref) == 3 and isinstance(ref[2], list)):
         raise ValueError(f"a packed reference is [pack, at, shape], not {ref!r}")
     p, at, shape = ref
