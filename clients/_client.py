@@ -33,7 +33,7 @@ from kvps.errors import (
 )
 from kvps.initializer import Zeros, initializer_to_dict
 from kvps.optimizer import Add, clipped, optimizer_to_dict
-from kvps.placement import DenseLayout, block_shard, layout_for
+from kvps.placement import DenseLayout, block_shard, dtype_name, layout_for
 
 from . import _table_rows, _transfer
 from ._convert import check_shape, to_host, to_numpy, writable_view
@@ -214,8 +214,9 @@ class Client:
         per_shard: dict[int, list[tuple[dict, list]]] = {}
         for key, value in (await to_host(dict(values))).items():
             arr = np.ascontiguousarray(to_numpy(value, name=key))
-            layout = layout_for(arr.shape, arr.dtype.name, block_bytes or self.cluster_map.block_bytes)
-            definition = {"key": key, "shape": list(arr.shape), "dtype": arr.dtype.name,
+            dtype = dtype_name(arr.dtype)
+            layout = layout_for(arr.shape, dtype, block_bytes or self.cluster_map.block_bytes)
+            definition = {"key": key, "shape": list(arr.shape), "dtype": dtype,
                           "block_rows": layout.block_rows, "merge": merge, "optimizer": opt}
             for shard, blocks in self._split_blocks(key, layout, arr).items():
                 for part in chunks(blocks, self.cluster_map.max_push_bytes, lambda b: b[1].nbytes):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvps.errors import InvalidRequest
-from kvps.placement import DenseLayout, block_shard, key_hash, layout_for, row_shards
+from kvps.placement import DenseLayout, block_shard, dtype_name, key_hash, layout_for, row_shards
 
 
 def test_key_hash_definition_and_golden():
@@ -98,3 +98,15 @@ def test_block_shard_in_scalar_arithmetic_is_the_vectorised_rule(key, block, sha
     from kvps.placement import _BLOCK_SALT, _shards
 
     assert block_shard(key, block, shards) == int(_shards(key, np.array([block], np.int64), _BLOCK_SALT, shards)[0])
+
+
+def test_layouts_are_cached_but_never_for_look_alike_arguments():
+    """``layout_for`` remembers layouts (10,000 keys of one shape); 1, 1.0 and True are one cache
+    key, so what the cache returns for exact ints must not be returned for the others."""
+    good = layout_for((4, 3), "float32", 16)
+    assert layout_for((4, 3), "float32", 16) is good and layout_for([4, 3], "float32", 16) is good
+    for shape, block_bytes in (((4, 3), True), ((4.0, 3), 16), ((4, True), 16)):
+        with pytest.raises(InvalidRequest):
+            layout_for(shape, "float32", block_bytes)
+    assert layout_for((4, 3), np.dtype("float32"), 16) == good  # a dtype, not its name: not cached
+    assert dtype_name(np.dtype("float16")) == "float16" and dtype_name(np.zeros(1).dtype) == "float64"
