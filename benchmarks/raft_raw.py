@@ -1,7 +1,7 @@
 """Raw Raft throughput and failover of one ShardGroup, 3 replica processes on 127.0.0.1.
 
     .venv/bin/python benchmarks/raft_raw.py [--seconds 10] [--size 1048576] [--inflight 4]
-        [--kills 5] [--buffers 0,4194304] [--under-load] [--tune-malloc]
+        [--kills 5] [--buffers 0,4194304] [--under-load] [--glibc-malloc]
 
 For each socket buffer setting (0 = kernel autotuning) it starts 3 replica processes (spawn),
 each running a ShardGroup with a trivial applier and the default RaftConfig, then:
@@ -16,7 +16,9 @@ each running a ShardGroup with a trivial applier and the default RaftConfig, the
   ``--inflight`` commands outstanding).
 
 It also prints the CPU seconds each replica spent per committed GiB, which is less sensitive to
-other work on the machine than MB/s; ``--tune-malloc`` shows what glibc's malloc settings cost.
+other work on the machine than MB/s. The replicas run with the malloc settings a kvps node gives
+its replica processes (``kvps.service.lifecycle.MALLOC_SETTINGS``); ``--glibc-malloc`` shows what
+glibc's defaults cost.
 
 Timestamps are ``time.monotonic()`` (CLOCK_MONOTONIC, shared by all processes on Linux).
 """
@@ -325,20 +327,20 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--under-load", action="store_true",
                         help="also measure failover while the leader has --inflight commands outstanding")
-    parser.add_argument("--tune-malloc", action="store_true",
-                        help="run the replicas with glibc malloc kept from returning MB buffers to the "
-                             "kernel (fewer page faults per command)")
+    parser.add_argument("--glibc-malloc", action="store_true",
+                        help="run the replicas with glibc's malloc defaults instead of the settings a "
+                             "kvps node runs its replicas with (MB buffers then go back to the kernel)")
     parser.add_argument("--buffers", default=f"0,{4 * MiB}",
                         help="comma-separated socket_buffer_bytes values to compare (0 = autotuning)")
     args = parser.parse_args()
-    if args.tune_malloc:  # inherited by the spawned replica processes
-        os.environ.update(MALLOC_MMAP_THRESHOLD_=str(64 * MiB), MALLOC_TRIM_THRESHOLD_=str(512 * MiB),
-                          MALLOC_TOP_PAD_=str(64 * MiB))
+    if not args.glibc_malloc:  # as a node runs its replicas; inherited by the spawned processes
+        from kvps.node.node import REPLICA_ENV
+        os.environ.update(REPLICA_ENV)
     from kvps.config import RaftConfig
     cfg = RaftConfig()
     print(f"raft_raw: 3 replica processes, {os.cpu_count()} CPUs, default RaftConfig (election "
           f"{cfg.election_timeout_min}-{cfg.election_timeout_max} s, heartbeat {cfg.heartbeat_period} s)"
-          + (", malloc tuned" if args.tune_malloc else ""))
+          + (", glibc malloc defaults" if args.glibc_malloc else ", malloc as in a kvps node"))
     for buf in (int(b) for b in args.buffers.split(",")):
         print(f"socket_buffer_bytes={buf}{' (kernel autotuning)' if buf == 0 else ''}:")
         bench(args, buf)

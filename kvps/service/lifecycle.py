@@ -16,7 +16,7 @@ __all__ = ["GC_THRESHOLDS", "GcClock", "GcCollector", "MALLOC_SETTINGS", "freeze
 
 # glibc returns every freed MB-sized buffer to the kernel (mmap threshold) and page-faults it
 # back on the next command; keeping them in the heap cut the leader's CPU per committed GiB by
-# ~40% in benchmarks/raft_raw.py --tune-malloc. Bounded: at most ~128 MiB idle per process.
+# ~40% in benchmarks/raft_raw.py (against --glibc-malloc). Bounded: at most ~128 MiB idle per process.
 # As environment variables (a replica process's) and as mallopt(3) parameters (a running process).
 MALLOC_SETTINGS = {"MMAP_THRESHOLD": 16 << 20, "TRIM_THRESHOLD": 128 << 20, "TOP_PAD": 16 << 20}
 _MALLOPT = {"TRIM_THRESHOLD": -1, "TOP_PAD": -2, "MMAP_THRESHOLD": -3}  # <malloc.h> M_* values
