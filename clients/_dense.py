@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from kvps.delta.pack import PACK_MAX_BYTES, pack_into
 from kvps.command import MAX_BATCH_KEYS
 from kvps.placement import DenseLayout, block_shard
 
@@ -74,9 +75,20 @@ def key_batches(items: list[tuple[dict, list]], limit: int) -> list[list[tuple[d
 
 
 def create_keys_request(batch: list[tuple[dict, list]]) -> tuple[dict, list]:
-    """A ``create_keys`` request's meta and arrays: each key's blocks name their arrays."""
-    defs, arrays = [], []
+    """A ``create_keys`` request's meta and arrays: each key's blocks name their arrays; blocks
+    up to ``PACK_MAX_BYTES`` are packed (one array per dtype, ``kvps.delta.pack``), as a push's
+    gradients are."""
+    defs, arrays, small, small_values = [], [], [], []
     for definition, part in batch:
-        defs.append({**definition, "blocks": [{"block": b, "array": len(arrays) + i} for i, (b, _) in enumerate(part)]})
-        arrays += [v for _, v in part]
+        blocks = []
+        for b, value in part:
+            blocks.append({"block": b})
+            if value.nbytes <= PACK_MAX_BYTES:
+                small.append(blocks[-1])
+                small_values.append(value)
+            else:
+                blocks[-1]["array"] = len(arrays)
+                arrays.append(value)
+        defs.append({**definition, "blocks": blocks})
+    pack_into(small, small_values, arrays)
     return {"keys": defs}, arrays

@@ -154,13 +154,28 @@ class CreateKeys(_Base):
             raise InvalidRequest("a key appears twice in one batch", field="keys")
 
     def to_bytes(self) -> bytes:
-        metas, arrays = [], []
+        """Blocks up to ``PACK_MAX_BYTES`` are packed, as a push's gradients are
+        (``Push.to_parts``): ``"packed"`` holds one ``[pack, at, shape]`` per block of every key
+        in order (null: an array of its own), the packs after the other arrays. Entries written
+        before packing (no ``"packed"``) decode as they always did."""
+        metas, arrays, small, refs = [], [], [], []
         for k in self.keys:
             metas.append({"key": k.key, "shape": list(k.shape), "dtype": k.dtype,
                           "block_rows": k.block_rows, "optimizer": k.optimizer, "merge": k.merge,
                           "blocks": [b for b, _ in k.blocks]})
-            arrays += [arr for _, arr in k.blocks]
-        return _encode({"type": "create_keys", "keys": metas}, arrays)
+            for _, arr in k.blocks:
+                if arr.nbytes <= PACK_MAX_BYTES:
+                    small.append(arr)
+                else:
+                    arrays.append(arr)
+        meta: dict[str, Any] = {"type": "create_keys", "keys": metas}
+        if small:
+            small_refs, packs = pack.pack(small)
+            it = iter(small_refs)
+            meta["packed"] = [None if arr.nbytes > PACK_MAX_BYTES else next(it)
+                              for k in self.keys for _, arr in k.blocks]
+            arrays += packs
+        return _encode(meta, arrays)
 
 
 @dataclass(frozen=True, eq=False)
@@ -526,14 +541,31 @@ def _decode_create_keys(m: dict, arrays: tuple) -> CreateKeys:
     at, keys = [0], []
     if not isinstance(m["keys"], list):
         raise InvalidRequest("create_keys: 'keys' must be a list")
-    for k in m["keys"]:
-        ids = k["blocks"]
-        if not isinstance(ids, list):
-            raise InvalidRequest("block ids and arrays disagree")
-        keys.append(CreateKey(k["key"], tuple(k["shape"]), k["dtype"], k["block_rows"], k["optimizer"],
-                              k["merge"], tuple(zip(ids, _take(arrays, len(ids), at)))))
+    ids_of = [k["blocks"] if isinstance(k, dict) else None for k in m["keys"]]
+    if not all(isinstance(ids, list) for ids in ids_of):
+        raise InvalidRequest("block ids and arrays disagree")
+    refs = m.get("packed")  # absent: every block an array of its own (entries before packing)
+    total = sum(len(ids) for ids in ids_of)
+    if refs is None:
+        values = _take(arrays, total, at)
+    elif not isinstance(refs, list) or len(refs) != total:
+        raise InvalidRequest("'packed' names one reference per block")
+    else:
+        own = iter(_take(arrays, sum(r is None for r in refs), at))
+        packs = arrays[at[0]:]
+        try:
+            values = [next(own) if r is None else pack.view(packs, r) for r in refs]
+        except ValueError as exc:
+            raise InvalidRequest(f"malformed packed block: {exc}") from None
+        if {r[0] for r in refs if r is not None} != set(range(len(packs))):
+            raise InvalidRequest("command carries unnamed arrays")
+        at[0] = len(arrays)
     if at[0] != len(arrays):
         raise InvalidRequest("command carries unnamed arrays")
+    given = iter(values)
+    for k, ids in zip(m["keys"], ids_of):
+        keys.append(CreateKey(k["key"], tuple(k["shape"]), k["dtype"], k["block_rows"], k["optimizer"],
+                              k["merge"], tuple((b, next(given)) for b in ids)))
     return CreateKeys(tuple(keys))
 
 

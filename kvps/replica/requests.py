@@ -46,8 +46,9 @@ def items(meta: dict, name: str) -> list[dict]:
 
 
 def blocks(req: frame.Frame, meta: dict | None = None) -> tuple[tuple[int, np.ndarray], ...]:
-    """``(block, array)`` pairs of ``meta["blocks"]`` (the request's meta, or one item of it)."""
-    return tuple((field(it, "block", int), array(req, it.get("array")))
+    """``(block, array)`` pairs of ``meta["blocks"]`` (the request's meta, or one item of it); a
+    block names its array by ``array``, or by ``packed`` / ``at`` / ``shape`` (``packed``)."""
+    return tuple((field(it, "block", int), packed(req, it) if "packed" in it else array(req, it.get("array")))
                  for it in items(req.meta if meta is None else meta, "blocks"))
 
 

@@ -226,6 +226,49 @@ def test_packed_and_unpacked_push_entries_decode_alike():
     assert decode_command(new).to_bytes() == new
 
 
+def _packed_create(packed, arrays, blocks=(0, 1)) -> bytes:
+    meta = {"type": "create_keys", "keys": [{"key": "a", "shape": [2], "dtype": "float32", "block_rows": 1,
+                                            "optimizer": SGD, "merge": "sum", "blocks": list(blocks)}],
+            "packed": packed}
+    return _command_frame(meta, arrays)
+
+
+@pytest.mark.parametrize("data", [
+    _packed_create([[0, 0, [1]]], [F32]),                      # one reference for two blocks
+    _packed_create([[0, 0, [1]], [0, 4, [1]]], [F32]),         # outside the pack
+    _packed_create([[0, 0, [1]], [1, 0, [1]]], [F32]),         # names a pack it does not carry
+    _packed_create([[0, 0, [1]], None], [F32]),                # an own array it does not carry
+    _packed_create([[0, 0, [1]], [0, 1, [1]]], [F32, F32]),    # a pack nothing names
+    _packed_create([[0, 0, [1]], [0, 1]], [F32]),              # short reference
+    _packed_create({"0": 1}, [F32]),
+])
+def test_packed_create_keys_decode_rejects_junk(data):
+    with pytest.raises(InvalidRequest):
+        decode_command(data)
+
+
+def test_packed_and_unpacked_create_keys_entries_decode_alike():
+    """A create of many small keys packs their blocks as a push packs gradients (each frame array
+    costs every replica its own descriptor and checksum); entries written before (an array per
+    block) decode to the same command, whose bytes are what is written now."""
+    from kvps.delta.pack import PACK_MAX_BYTES
+
+    rows = PACK_MAX_BYTES // 4 + 1
+    big = np.arange(rows, dtype=np.float32)
+    cmd = CreateKeys((CreateKey("a", (3,), "float32", 2, SGD, "sum", ((0, F32[:2]), (1, F32[2:3]))),
+                      CreateKey("big", (rows,), "float32", rows, SGD, "sum", ((0, big),)),
+                      CreateKey("b", (), "float64", 1, {"name": "add"}, "mean", ((0, np.array(1.5)),)),
+                      CreateKey("none-here", (4,), "float32", 1, {"name": "adagrad"}, "sum", ())))
+    old = _command_frame({"type": "create_keys", "keys": [
+        {"key": k.key, "shape": list(k.shape), "dtype": k.dtype, "block_rows": k.block_rows,
+         "optimizer": k.optimizer, "merge": k.merge, "blocks": [b for b, _ in k.blocks]} for k in cmd.keys]},
+        [arr for k in cmd.keys for _, arr in k.blocks])
+    new = cmd.to_bytes()
+    assert len(frame.decode(new, max_raw_bytes=1 << 30).arrays) == 1 + 2  # big, a float32 and a float64 pack
+    assert decode_command(old) == cmd == decode_command(new)
+    assert decode_command(new).to_bytes() == new
+
+
 def test_decode_survives_corruption():
     """Flipped and truncated bytes give CodecError or InvalidRequest, never anything else."""
     rng = random.Random(1234)
