@@ -227,9 +227,13 @@ class Table:
             ok = np.ones(len(ids), dtype=bool)
         if not ok.all():
             ids, grads, counts, slots, stored, pushes = (a[ok] for a in (ids, grads, counts, slots, stored, pushes))
-        fresh = self.init.rows(ids[~stored], self.dim, self.dtype)  # (new, dim)
-        values = np.empty((len(ids), self.dim), dtype=self.dtype)  # (n, dim)
-        values[stored], values[~stored] = self.values[slots[stored]], fresh
+        if stored.all():  # every row stored already (a steady state): no initializer, no masks
+            fresh = np.empty((0, self.dim), dtype=self.dtype)  # (0, dim)
+            values = self.values[slots]  # (n, dim) a copy
+        else:
+            fresh = self.init.rows(ids[~stored], self.dim, self.dtype)  # (new, dim)
+            values = np.empty((len(ids), self.dim), dtype=self.dtype)  # (n, dim)
+            values[stored], values[~stored] = self.values[slots[stored]], fresh
         state, steps, versions = self._row_state(slots, stored, fresh)
         new_values, new_state = self.optimizer.step(values, grads, state, steps + 1)
         return RowUpdate(ids, slots, new_values.astype(self.dtype, copy=False), new_state,
@@ -274,6 +278,8 @@ class Table:
         self._write(update, old, update.slots[old])
         if self.lifecycle is not None:
             self._enforce(update.now, update.slots[old], len(new))
+        if not len(new) and self.lifecycle is None:  # nothing to add, nothing to enforce
+            return
         self.far += far_ids(update.ids[new])
         self._fit_widths()
         self._reserve(self.n + len(new))
