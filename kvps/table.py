@@ -174,6 +174,8 @@ class Table:
         """(values (n, dim) copy, versions (n,) int64); rows not stored: init value, ``floor``."""
         slots = self.slots_of(ids)
         stored = slots >= 0
+        if stored.all():  # every row stored: two gathers
+            return self.values[slots], self.versions[slots].astype(np.int64)
         values = np.empty((len(ids), self.dim), dtype=self.dtype)  # (n, dim)
         values[stored] = self.values[slots[stored]]
         values[~stored] = self.init.rows(ids[~stored], self.dim, self.dtype)
@@ -191,6 +193,8 @@ class Table:
         versions[stored] = self.versions[slots[stored]]
         diff = versions != have
         slots, stored = slots[diff], stored[diff]
+        if stored.all():
+            return versions, self.values[slots]
         values = np.empty((len(slots), self.dim), dtype=self.dtype)  # (m, dim)
         values[stored] = self.values[slots[stored]]
         values[~stored] = self.init.rows(ids[diff][~stored], self.dim, self.dtype)

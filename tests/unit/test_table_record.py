@@ -231,3 +231,8 @@ def test_changed_rows_are_the_rows_read_whose_version_differs():
     current, changed = s.changed_rows("e", ids, have)
     assert current.tolist() == versions.tolist()
     assert np.array_equal(changed, values[[0, 2]])
+    stored = ids[1:4]  # every one stored (a quicker path)
+    got, got_versions = s.read_rows("e", stored)
+    assert np.array_equal(got, values[1:4]) and got_versions.tolist() == versions[1:4].tolist()
+    current, changed = s.changed_rows("e", stored, np.int64([-1, versions[2], -1]))
+    assert current.tolist() == versions[1:4].tolist() and np.array_equal(changed, values[[1, 3]])
