@@ -168,6 +168,11 @@ def _b6_md(b6: dict) -> list[str]:
         ratio = "–" if name == "kvps" else _f(b6.get(f"ratio_vs_{name}"))
         rows.append(f"| {name} | {sys_['rows_per_s']:,.0f} | {_f(sys_['steps_per_s'])} | "
                     f"{_f(sys_['step_ms_p50'], 1)} | {ratio} |")
+    kv = b6["systems"].get("kvps")
+    if kv and "pushes_per_entry" in kv:
+        rows += ["", (f"kvps server CPU per step: {_f(kv['server_cpu_s_per_step'] * 1000, 1)} ms; push requests "
+                      f"merged per Raft entry: {_f(kv['pushes_per_entry'])}; replica role changes: "
+                      f"{kv.get('role_changes', '–')}.")]
     return rows + [""]
 
 
