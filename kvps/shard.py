@@ -355,12 +355,6 @@ class ShardState:
         """(ids sorted, values) of every row of table ``key`` that is stored (copies)."""
         return self._entry(key, "table").stored()  # type: ignore[union-attr]
 
-    def row_versions(self, key: str, ids: np.ndarray) -> np.ndarray:
-        """(n,) int64 versions of rows ``ids`` (rows not stored: the table's floor), no values read."""
-        if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu" or ids.ndim != 1:
-            raise InvalidRequest("row ids must be a 1-d integer array", key=key)
-        return self._entry(key, "table").versions_of(ids.astype(np.int64))  # type: ignore[union-attr]
-
     def changed_rows(self, key: str, ids: np.ndarray, have: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(the current version of every row in ``ids``, the values of those whose version differs
         from ``have``), from one lookup of the ids."""

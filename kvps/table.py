@@ -184,9 +184,8 @@ class Table:
         return values, versions
 
     def changed(self, ids: np.ndarray, have: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(versions (n,) int64 of rows ``ids``, values (m, dim) copy of the m rows whose version
-        differs from ``have``, in ``ids`` order), from one index lookup; rows not stored: the
-        initializer's value at version ``floor``."""
+        """(versions (n,) int64 of rows ``ids``, values (m, dim) of the m rows whose version differs
+        from ``have``, in ``ids`` order) from one lookup; rows not stored as in ``read``."""
         slots = self.slots_of(ids)
         stored = slots >= 0
         versions = np.full(len(ids), self.floor, dtype=np.int64)  # (n,)
@@ -199,13 +198,6 @@ class Table:
         values[stored] = self.values[slots[stored]]
         values[~stored] = self.init.rows(ids[diff][~stored], self.dim, self.dtype)
         return versions, values
-
-    def versions_of(self, ids: np.ndarray) -> np.ndarray:
-        """(n,) int64 versions of rows ``ids``; rows not stored: ``floor``."""
-        slots = self.slots_of(ids)
-        versions = np.full(len(ids), self.floor, dtype=np.int64)  # (n,)
-        versions[slots >= 0] = self.versions[slots[slots >= 0]]
-        return versions
 
     def stored(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids sorted (int64), values) of the stored rows (copies)."""
@@ -231,9 +223,8 @@ class Table:
             ok = np.ones(len(ids), dtype=bool)
         if not ok.all():
             ids, grads, counts, slots, stored, pushes = (a[ok] for a in (ids, grads, counts, slots, stored, pushes))
-        if stored.all():  # every row stored already (a steady state): no initializer, no masks
-            fresh = np.empty((0, self.dim), dtype=self.dtype)  # (0, dim)
-            values = self.values[slots]  # (n, dim) a copy
+        if stored.all():  # every row stored (a steady state): no initializer, no masks
+            fresh, values = np.empty((0, self.dim), dtype=self.dtype), self.values[slots]  # (0, dim), (n, dim)
         else:
             fresh = self.init.rows(ids[~stored], self.dim, self.dtype)  # (new, dim)
             values = np.empty((len(ids), self.dim), dtype=self.dtype)  # (n, dim)
@@ -282,8 +273,8 @@ class Table:
         self._write(update, old, update.slots[old])
         if self.lifecycle is not None:
             self._enforce(update.now, update.slots[old], len(new))
-        if not len(new) and self.lifecycle is None:  # nothing to add, nothing to enforce
-            return
+        if not len(new) and self.lifecycle is None:
+            return  # nothing to add, nothing to enforce
         self.far += far_ids(update.ids[new])
         self._fit_widths()
         self._reserve(self.n + len(new))
