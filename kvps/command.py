@@ -114,7 +114,7 @@ class CreateKey(_Base):
         for b, arr in blocks:
             if not b < layout.n_blocks:
                 raise InvalidRequest(f"block {b} out of range [0, {layout.n_blocks})", field="blocks")
-            # (dtype.name takes ~9 us: only when the dtype is not the native one by identity)
+            # (dtype.name takes ~9 us: asked only when the dtype is not the native one)
             if (arr.dtype != want and arr.dtype.name != self.dtype) or arr.shape != layout.block_shape(b):
                 raise InvalidRequest(f"block {b} is {arr.dtype}{list(arr.shape)}, expected "
                                      f"{self.dtype}{list(layout.block_shape(b))}", field="blocks")
@@ -158,7 +158,7 @@ class CreateKeys(_Base):
         (``Push.to_parts``): ``"packed"`` holds one ``[pack, at, shape]`` per block of every key
         in order (null: an array of its own), the packs after the other arrays. Entries written
         before packing (no ``"packed"``) decode as they always did."""
-        metas, arrays, small, refs = [], [], [], []
+        metas, arrays, small = [], [], []
         for k in self.keys:
             metas.append({"key": k.key, "shape": list(k.shape), "dtype": k.dtype,
                           "block_rows": k.block_rows, "optimizer": k.optimizer, "merge": k.merge,
