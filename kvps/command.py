@@ -503,6 +503,20 @@ def _raise_bad_push_id():
     raise InvalidRequest("malformed push id in command")
 
 
+def _resolve_packed(arrays: tuple, at: list[int], refs: list, own: list, what: str) -> list:
+    """One value per reference in ``refs``: the next of ``own`` (arrays of their own) for a null
+    one, else a view of the packs, which are every array from ``at[0]`` on (all consumed)."""
+    packs, given = arrays[at[0]:], iter(own)
+    try:
+        values = [next(given) if r is None else pack.view(packs, r) for r in refs]
+    except ValueError as exc:
+        raise InvalidRequest(f"malformed packed {what}: {exc}") from None
+    if {r[0] for r in refs if r is not None} != set(range(len(packs))):
+        raise InvalidRequest("command carries unnamed arrays")
+    at[0] = len(arrays)
+    return values
+
+
 def _decode_push(m: dict, arrays: tuple) -> Push:
     at = [0]
     pushes = tuple(PushId(p[0], p[1], p[2], tuple(p[3]), *p[4:5]) if isinstance(p, list) and 4 <= len(p) <= 5
@@ -516,14 +530,7 @@ def _decode_push(m: dict, arrays: tuple) -> Push:
         grads = _take(arrays, sum(r is None for r in refs), at)
     rows = tuple(RowDelta(k, *_take(arrays, 3, at)) for k in m["rows"])
     if refs is not None:
-        packs, own = arrays[at[0]:], iter(grads)
-        try:
-            grads = [next(own) if r is None else pack.view(packs, r) for r in refs]
-        except ValueError as exc:
-            raise InvalidRequest(f"malformed packed gradient: {exc}") from None
-        if {r[0] for r in refs if r is not None} != set(range(len(packs))):
-            raise InvalidRequest("command carries unnamed arrays")
-        at[0] = len(arrays)
+        grads = _resolve_packed(arrays, at, refs, grads, "gradient")
     dense = tuple(DenseDelta(k, b, g, c) for (k, b, c), g in zip(m["dense"], grads))
     if at[0] != len(arrays):
         raise InvalidRequest("command carries unnamed arrays")
@@ -551,15 +558,7 @@ def _decode_create_keys(m: dict, arrays: tuple) -> CreateKeys:
     elif not isinstance(refs, list) or len(refs) != total:
         raise InvalidRequest("'packed' names one reference per block")
     else:
-        own = iter(_take(arrays, sum(r is None for r in refs), at))
-        packs = arrays[at[0]:]
-        try:
-            values = [next(own) if r is None else pack.view(packs, r) for r in refs]
-        except ValueError as exc:
-            raise InvalidRequest(f"malformed packed block: {exc}") from None
-        if {r[0] for r in refs if r is not None} != set(range(len(packs))):
-            raise InvalidRequest("command carries unnamed arrays")
-        at[0] = len(arrays)
+        values = _resolve_packed(arrays, at, refs, _take(arrays, sum(r is None for r in refs), at), "block")
     if at[0] != len(arrays):
         raise InvalidRequest("command carries unnamed arrays")
     given = iter(values)
