@@ -195,8 +195,10 @@ def _b7_md(b7: dict) -> list[str]:
 def _b0_md(r: dict) -> list[str]:
     c = r["meta"].get("kvps_cluster", {})
     rows = ["## B0 — an idle cluster", "",
-            (f"{c.get('nodes', 3)} nodes × {c.get('shards', 8)} shards × 3 replicas, started, leaders "
-             "spread, settled, then nobody calls it: CPU of every kvps process (nodes and replica "
+            (f"{c.get('nodes', 3)} nodes × {c.get('shards', 8)} shards × 3 replicas, started, "
+             + ("leaders spread, " if c.get("spread_wait_s", 1) > 0 else
+                "leaders where the elections put them (this plan does not wait for the spread), ")
+             + "settled, then nobody calls it: CPU of every kvps process (nodes and replica "
              "processes) over the window, in cores."), "",
             "| replicas run | processes | idle cores | start → every shard served (s) | load |",
             "|---|---:|---:|---:|---:|"]

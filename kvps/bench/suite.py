@@ -57,7 +57,7 @@ def run_suite(plan: Plan, sections: tuple[str, ...], systems: tuple[str, ...],
                  "model": {"tensors": plan.model.tensors, "tensor_bytes": plan.model.tensor_bytes,
                            "bytes": plan.model.nbytes},
                  "kvps_cluster": {"nodes": plan.nodes, "shards": plan.shards, "replicas": 3,
-                                  "fsync": plan.kvps_fsync},
+                                  "fsync": plan.kvps_fsync, "spread_wait_s": plan.spread_wait},
                  "load_avg_start": _load(), "pressure_start": _pressure()},
         "skipped": dict(skipped),
     }
@@ -318,8 +318,8 @@ def _kvps_cluster(plan: Plan, fsync: str, progress: Progress, phase: str, procs:
                 timing["ready_s"] = time.monotonic() - started
             cluster.start(timeout=120)  # the rest of start(): every replica up, identities recorded
             # the leaders first spread over the nodes (transfers: not elections under load)
-            if not cluster.wait_leaders_spread(30.0):
-                say("kvps: leaders not spread within 30 s; measuring anyway")
+            if plan.spread_wait > 0 and not cluster.wait_leaders_spread(plan.spread_wait):
+                say(f"kvps: leaders not spread within {plan.spread_wait:g} s; measuring anyway")
         sessions = lambda: {p.pid for p in cluster.procs.values()}  # noqa: E731
         yield cluster, lambda: process_usage(lambda pid, _pp, sid: sid in sessions())
 
