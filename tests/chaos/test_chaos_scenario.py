@@ -51,9 +51,10 @@ def test_chaos_catches_double_applies_in_a_build_without_the_duplicate_table(tmp
     """The harness's self-test: with ``unsafe_disable_dedup`` every retried push is applied again.
     Lost replies and leader kills force retries, so the counter check must fail. Loopback mode:
     these faults need no namespaces, and it keeps that mode covered when CI has them."""
-    opts = ChaosOptions(duration=25, seed=SEED, out=tmp_path / "broken", shards=2, train_workers=1,
+    # each kind once (every_kind), then the run ends: both kinds force retries, one of each is enough
+    opts = ChaosOptions(duration=10, seed=SEED, out=tmp_path / "broken", shards=2, train_workers=1,
                         mode="loopback",
-                        register_clients=2, faults=("reply-loss", "kill-leader"),
+                        register_clients=2, faults=("reply-loss", "kill-leader"), every_kind=True,
                         unsafe_disable_dedup=True, hold=(3.0, 4.0), quiet=(0.5, 1.0), progress=False)
     report = run_chaos(opts)
     assert report["replies_lost_on_purpose"] > 0, _explain(report)
