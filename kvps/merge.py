@@ -13,6 +13,7 @@ import numpy as np
 import xxhash
 
 from kvps.command import DenseDelta, Push, PushId, RowDelta
+from kvps.delta import frame
 
 __all__ = ["PushRequest", "comparable_digests", "content_digest", "is_finite", "merge", "request_bytes"]
 
@@ -48,27 +49,32 @@ def request_bytes(req: PushRequest) -> int:
     return total
 
 
-_XXH3_TAG = 2 << 32  # digests from XXH3 lie in [2**33, 2**33 + 2**32); CRC-32 ones in [1, 2**32]
+# A digest's tag says how it was computed, so digests computed differently are never compared (an
+# applied table written by an older kvps): CRC-32 + 1 in [1, 2**32]; XXH3-64 over the gradient
+# bytes in [2**33, 2**33 + 2**32); XXH3-64 over the arrays' XXH3 sums in [3 * 2**32, 4 * 2**32).
+_XXH3_TAG = 2 << 32
+_SUMS_TAG = 3 << 32
 
 
 def content_digest(dense: Sequence[tuple[str, int, np.ndarray]],
                    rows: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> int:
-    """Checksum of what a push changes (keys, blocks, ids, gradient bytes): the low 32 bits of
-    XXH3-64, tagged so that it is never 0 ("none") and never equal to a digest stored by an
-    older kvps (CRC-32 + 1). Cheap (~12 GB/s); it guards against id reuse, not an adversary."""
-    h = xxhash.xxh3_64(repr([(k, int(b)) for k, b, _ in dense] + [k for k, _, _ in rows]).encode())
-    for _, _, g in dense:
-        h.update(np.ascontiguousarray(g).view(np.uint8))
+    """Checksum of what a push changes (keys, blocks, ids, gradient bytes): XXH3-64 of the keys and
+    blocks and of each array's XXH3 sum (``frame.array_checksum``: for a raw gradient of 64 KiB
+    or more, the sum its request frame was checked against on receipt, so the bytes are not
+    read again), its low 32 bits tagged so that it is never 0 ("none"). It guards against a
+    reused push id, not an adversary."""
+    sums = [frame.array_checksum(g) for _, _, g in dense]
     for _, ids, g in rows:
-        h.update(np.ascontiguousarray(ids).view(np.uint8))
-        h.update(np.ascontiguousarray(g).view(np.uint8))
-    return _XXH3_TAG | (h.intdigest() & 0xFFFFFFFF)
+        sums += (frame.array_checksum(ids), frame.array_checksum(g))
+    h = xxhash.xxh3_64(repr([(k, int(b)) for k, b, _ in dense] + [k for k, _, _ in rows]).encode())
+    h.update(np.array(sums, dtype="<u4").tobytes())
+    return _SUMS_TAG | (h.intdigest() & 0xFFFFFFFF)
 
 
 def comparable_digests(a: int, b: int) -> bool:
     """Whether two non-zero digests were computed the same way (an applied-table entry written
-    before an upgrade holds a CRC-32 digest, which says nothing about an XXH3 one)."""
-    return bool(a) and bool(b) and (a >= _XXH3_TAG) == (b >= _XXH3_TAG)
+    before an upgrade holds a digest computed another way, which says nothing about this one)."""
+    return bool(a) and bool(b) and max(1, a >> 32) == max(1, b >> 32)
 
 
 def is_finite(req: PushRequest) -> bool:

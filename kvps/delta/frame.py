@@ -57,6 +57,7 @@ __all__ = [
     "KIND_RESPONSE",
     "KIND_SNAPSHOT",
     "MAGIC",
+    "array_checksum",
     "decode",
     "encode",
     "encode_parts",
@@ -123,6 +124,17 @@ def _array_sum(arr: np.ndarray, codec_code: int, wire) -> int:
     crc = _xxh3_32(wire)
     _remember_sum(arr, crc)
     return crc
+
+
+def array_checksum(arr: np.ndarray) -> int:
+    """The low 32 bits of XXH3-64 of ``arr``'s bytes in C order: the checksum a frame carries for
+    it uncompressed. Not computed again for a read-only array of 64 KiB or more whose sum is
+    known (a raw array checked on receipt, a block value already sent)."""
+    if _remembered(arr):
+        known = _known_sums.get(id(arr))
+        if known is not None and known[0]() is arr:
+            return known[1]
+    return _xxh3_32(np.ascontiguousarray(arr).view(np.uint8))
 
 
 def forget_sum(arr: np.ndarray) -> None:

@@ -125,4 +125,24 @@ def test_content_digest_tells_contents_apart_and_old_crc_digests_are_not_compare
     assert comparable_digests(base, others[0])
     crc_era = 0xDEADBEEF + 1  # what an applied table written by an older kvps holds
     assert not comparable_digests(base, crc_era) and comparable_digests(crc_era, crc_era + 1)
+    bytes_era = (2 << 32) | 0xDEADBEEF  # XXH3 over the gradient bytes (kvps before 2026-12-07)
+    assert not comparable_digests(base, bytes_era) and comparable_digests(bytes_era, bytes_era + 1)
+    assert not comparable_digests(bytes_era, crc_era)
     assert not comparable_digests(base, 0)
+
+
+def test_content_digest_of_a_received_gradient_uses_its_checked_sum_and_equals_the_computed_one():
+    """A raw gradient of 64 KiB or more decoded from a request frame was checked against its XXH3
+    sum; the digest takes that sum instead of reading the bytes again, and comes out as if it had."""
+    from kvps.delta import frame
+    from kvps.merge import content_digest
+
+    g = np.random.default_rng(3).standard_normal(1 << 15).astype(np.float32)  # 128 KiB
+    decoded = frame.decode(frame.encode(frame.KIND_REQUEST, {}, [g])).arrays[0]
+    assert not decoded.flags.writeable and decoded.nbytes >= 64 << 10
+    assert content_digest((("w", 0, decoded),), ()) == content_digest((("w", 0, g.copy()),), ())
+    changed = g.copy()
+    changed[-1] += 1
+    assert content_digest((("w", 0, decoded),), ()) != content_digest((("w", 0, changed),), ())
+    # the sum is the frame's: a remembered sum that were wrong would show here
+    assert frame.array_checksum(decoded) == frame.array_checksum(g) == frame.array_checksum(g.copy())
