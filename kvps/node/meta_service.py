@@ -25,6 +25,7 @@ from kvps.config import ClusterConfig
 from kvps.errors import ConnectError, InvalidRequest, KvpsError, NotDrainable, Unavailable
 from kvps.meta import MetaState, meta_address
 from kvps.raft import bridge, recovery
+from kvps.raft.first_election import stand_first
 from kvps.raft.group import ShardGroup
 
 __all__ = ["MetaService", "NodeMembership"]
@@ -54,6 +55,8 @@ class MetaService:
         if join:  # a replica added to a running group: it must not depose the leader meanwhile
             from kvps.raft.membership import hold_elections
             hold_elections(self.group, 30.0)
+        elif members and members[0] == node_id:  # a fresh group elects the first metadata node
+            stand_first(self.group)
 
     # ---- tick thread -------------------------------------------------------------------------
 

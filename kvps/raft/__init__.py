@@ -47,6 +47,7 @@ Membership and faults:
 * ``failover`` -- a new election ~0.1 s after the leader's process is gone.
 * ``recovery`` -- a replica that lost its data withholds its vote until it has caught up.
 * ``prevote`` -- PreVote: an election starts only once a majority would vote for it.
+* ``first_election`` -- a fresh group's preferred replica stands once connected to a majority.
 * ``quiet`` -- a still group's leader heartbeats every quiet period, not every 50 ms.
 
 ``tests/raft/test_raft_pin.py`` fails first when a pysyncobj upgrade moves an internal we rely on.

@@ -31,6 +31,7 @@ from kvps.machine import CompactLog, Effect
 from kvps.merge import PushRequest, comparable_digests, is_finite
 from kvps.raft import bridge
 from kvps.raft import membership as raft_membership
+from kvps.raft.first_election import stand_first
 from kvps.raft.group import ShardGroup
 from kvps.raft.ticker import Ticker
 from kvps.replica.batcher import PushBatcher
@@ -122,6 +123,8 @@ class Replica:
         self.group = build() if ticker is None else await asyncio.to_thread(build)
         if joining:
             raft_membership.hold_elections(self.group, JOIN_ELECTION_HOLD)
+        elif cfg.replica_nodes(shard)[0] == node_id:  # the placement's preferred replica
+            stand_first(self.group)  # a fresh group elects it once connected (kvps.raft.first_election)
         self.leadership = Leadership(cfg, shard, self.address, self.group, propose=self._propose,
                                      wait_applied=self._wait_applied, not_leader=self._not_leader)
         self.batcher = PushBatcher(self._propose, cfg.server, clock=self.cluster_time.now,

@@ -355,6 +355,12 @@ def test_prevote_accessors(syncobj):
     assert internals.leader(syncobj) is None
 
 
+def test_a_fresh_syncobj_is_what_first_election_takes_for_fresh(syncobj):
+    # kvps.raft.first_election: term 0 and only pysyncobj's initial no-op entry, at index 1
+    assert internals.current_term(syncobj) == 0 and internals.last_log_index(syncobj) == 1
+    assert len(syncobj._SyncObj__raftLog) == 1 and syncobj._SyncObj__raftLog[0][1:] == (1, 0)
+
+
 def test_quiet_heartbeat_accessors(syncobj):
     assert internals.last_log_index(syncobj) == syncobj._SyncObj__raftLog[-1][1]
     assert internals.match_indexes(syncobj) == {}  # a follower: none
