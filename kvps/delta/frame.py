@@ -52,6 +52,7 @@ __all__ = [
     "FLAG_XXH3",
     "FORMAT_VERSION",
     "Frame",
+    "FrameParts",
     "KIND_COMMAND",
     "KIND_REQUEST",
     "KIND_RESPONSE",
@@ -213,9 +214,19 @@ def _meta_bytes(meta: dict, head_len: int, at: int = 0) -> bytes:
     return raw
 
 
+class FrameParts(list):
+    """:func:`encode_parts`'s buffers, and ``digest``: what :func:`verified_digest` returns for
+    their join, known without a pass over the payload. Every array's checksum in the head was
+    computed here from its bytes or checked against them on receipt (``array_checksum``), so the
+    frame holds by construction; a Raft leader journals its own proposal with it (one checksum
+    per hop: the followers still check every byte on receipt)."""
+
+    digest: int
+
+
 def encode_parts(
     kind: int, meta: dict, arrays: Sequence = (), *, codec: str | Sequence[str] = "none", at: int = 0
-) -> list[bytes | memoryview]:
+) -> FrameParts:
     """The frame as a list of buffers; ``b"".join`` of them is :func:`encode`'s output.
 
     ``at``: the offset the frame will start at in the buffer that holds it (a Raft entry puts a
@@ -253,7 +264,10 @@ def encode_parts(
     meta_raw = _meta_bytes(meta, len(descr_bytes), at)
     header_sum = _xxh3_32(meta_raw + descr_bytes)  # both small: the arrays are not in it
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, kind, FLAG_XXH3, len(meta_raw), len(wires), header_sum)
-    return [header + meta_raw + descr_bytes, *wires]
+    head = header + meta_raw + descr_bytes
+    parts = FrameParts((head, *wires))
+    parts.digest = xxhash.xxh3_64_intdigest(head)  # verified_digest's, over the same head
+    return parts
 
 
 def encode(kind: int, meta: dict, arrays: Sequence = (), *, codec: str | Sequence[str] = "none") -> bytes:
@@ -393,7 +407,7 @@ def decode(data, *, max_raw_bytes: int = DEFAULT_MAX_RAW_BYTES,
     ``kinds`` restricts the accepted frame kinds (default: all four).
     ``verify=False`` skips the arrays' checksums (the header's is still checked): only for bytes
     :func:`verified_digest` has passed since they last moved (a Raft entry the journal
-    checked when it wrote or read the entry).
+    checked when it wrote or read the entry), or a leader's own proposal (``FrameParts``).
     """
     view = _as_bytes_view(data)
     if len(view) < _HEADER.size:

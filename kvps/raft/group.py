@@ -183,6 +183,7 @@ class ShardGroup(SyncObj):
         self._on_halted = on_halted
         self._destroyed = False  # by the ticker (halted or stopped)
         self._compaction = compaction.Compaction(dump_path, raft, snapshot_state, restore_state, busy)
+        self._own_digests = segments.KnownDigests()  # of frames proposed here (propose)
         self._last_tick: float | None = None
         self._tick_wait = 0.0  # the wait between ticks this group last asked its ticker for
         self.tick_stalls = {"max_seconds": 0.0, "over_100ms": 0}  # tick thread gaps
@@ -227,7 +228,8 @@ class ShardGroup(SyncObj):
                                fsync_interval=raft.fsync_interval, first_index=first_index,
                                segment_bytes=raft.journal_segment_bytes,
                                on_damage=self._recover_from_damage,
-                               digest=segments.prefixed_digest(_ENTRY_PREFIX, command_digest)), \
+                               digest=segments.prefixed_digest(_ENTRY_PREFIX, command_digest,
+                                                               self._own_digests)), \
                     internals.using_poller(poller) if poller is not None else contextlib.nullcontext():
                 SyncObj.__init__(self, self_address, others, conf, transportClass=transport)
             self.addOnTickCallback(self._note_tick_thread)
@@ -387,10 +389,11 @@ class ShardGroup(SyncObj):
     # -- proposing ----------------------------------------------------------------------------
 
     def propose(self, data: bytes | Sequence[Any], callback: Callable[[Any, int], None]) -> None:
-        """Submit ``data`` (bytes, or a list of buffers that make it up); ``callback(result,
-        reason)`` fires once on the tick thread (or at once on this thread for QUEUE_FULL,
-        COMMAND_TOO_LARGE and GROUP_STOPPED). ``reason`` is a pysyncobj ``FAIL_REASON`` or one of
-        our codes; ``result`` is the applier's return value."""
+        """Submit ``data`` (bytes, or a list of buffers that make it up; with a ``digest``, as
+        ``FrameParts`` have, the ``command_digest`` of their join, which the journal takes instead
+        of hashing them again). ``callback(result, reason)`` fires once on the tick thread (or at
+        once on this thread for QUEUE_FULL, COMMAND_TOO_LARGE and GROUP_STOPPED); ``reason`` is a
+        pysyncobj ``FAIL_REASON`` or one of our codes; ``result`` is the applier's return value."""
         parts = data if isinstance(data, (list, tuple)) else (data,)
         if sum(len(p) for p in parts) > self._raft.max_command_bytes:
             callback(None, COMMAND_TOO_LARGE)
@@ -404,8 +407,10 @@ class ShardGroup(SyncObj):
             callback(None, GROUP_STOPPED)
             return
         command = b"".join((_ENTRY_PREFIX, *parts))  # queued as is: the type byte is in the prefix
+        digest = getattr(data, "digest", None)  # a frame built here (kvps.delta.frame.FrameParts)
+        key = None if digest is None else self._own_digests.note(command, digest)
         internals.apply_command(self, command,
-                                lambda result, reason: self._settle(token, result, reason))
+                                lambda result, reason: self._settle(token, result, reason, key))
 
     def abandon_pending(self) -> int:
         """Answer every proposal still waiting with LEADER_CHANGED (outcome unknown).
@@ -420,7 +425,9 @@ class ShardGroup(SyncObj):
             callback(None, FAIL_REASON.LEADER_CHANGED)
         return len(pending)
 
-    def _settle(self, token: int, result: Any, reason: int) -> None:
+    def _settle(self, token: int, result: Any, reason: int, digest_key: int | None = None) -> None:
+        if digest_key is not None:
+            self._own_digests.forget(digest_key)  # journaled by now, or never will be here
         with self._pending_lock:
             callback = self._pending.pop(token, None)
         if callback is not None:

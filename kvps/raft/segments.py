@@ -22,8 +22,10 @@ A command's **digest** is the journal's ``digest(command)``: by default XXH3-64 
 (a pass over it), or, for a journal whose proposed commands are checksummed frames (a kvps
 shard's: ``prefixed_digest`` of ``kvps.delta.frame.verified_digest``), a digest of the frame's
 head that *verifies* each array against the checksum the frame carries and refuses (``None``) a
-frame whose bytes do not match them. The bytes are then hashed once on each replica, which is
-also their check on receipt, and the state machine applies them without checking them again.
+frame whose bytes do not match them. The bytes are then hashed once on each follower, which is
+also their check on receipt, and the state machine applies them without checking them again. A
+leader's own proposals are not hashed again: it built their heads from checksums it computed or
+checked on receipt, and journals them with that digest (``KnownDigests``).
 Epoch-independent, so the same command has the same digest on every replica. Segments of
 version 1 (an earlier kvps) are read with their own checksum and never appended to again.
 
@@ -52,6 +54,7 @@ import dataclasses
 import logging
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,7 +67,7 @@ from kvps.raft import disk
 from kvps.raft.journal_file import CHECKED, CRC, RECORD, Entry
 
 __all__ = [
-    "DATA", "FREE", "LIVE", "Loaded", "SEG_HEADER", "SEG_MAGIC", "Scan", "Segment", "create",
+    "DATA", "FREE", "KnownDigests", "LIVE", "Loaded", "SEG_HEADER", "SEG_MAGIC", "Scan", "Segment", "create",
     "full_digest", "load", "marker", "prefixed_digest", "read_header", "record_sum", "scan",
     "segment_paths", "write_header",
 ]
@@ -88,19 +91,62 @@ def full_digest(command: Any) -> int:
     return xxhash.xxh3_64_intdigest(command)
 
 
-def prefixed_digest(prefix: bytes, command_digest: Digest | None) -> Digest:
+def prefixed_digest(prefix: bytes, command_digest: Digest | None,
+                    known: "KnownDigests | None" = None) -> Digest:
     """A journal's digest for a group whose proposed commands (the entries starting with
     ``prefix``) are checked and digested by ``command_digest`` (returning ``None`` for bytes that
-    fail their own checksums); every other entry (pysyncobj's own) is hashed whole."""
+    fail their own checksums); every other entry (pysyncobj's own) is hashed whole. ``known``:
+    the digests of this replica's own proposals, taken instead of a pass over their bytes."""
     if command_digest is None:
         return full_digest
     n = len(prefix)
 
     def digest(entry: Any) -> int | None:
+        if known is not None:
+            d = known.take(entry)
+            if d is not None:
+                return d
         if entry[:n] != prefix:
             return full_digest(entry)
         return command_digest(memoryview(entry)[n:])
     return digest
+
+
+class KnownDigests:
+    """The digests of the commands a leader proposed, known where it built them (a frame whose
+    head carries checksums it computed, or checked on receipt: ``kvps.delta.frame.FrameParts``),
+    so its journal does not hash their bytes a second time; its followers still check every byte
+    on receipt. An entry is held from ``note`` until the journal ``take``s it or the proposal is
+    settled (``forget``: a proposal forwarded or dropped when leadership moved never reaches this
+    journal); at most ``size`` are kept, and one not found is hashed as any other entry."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._size = size
+        self._known: dict[int, tuple[Any, int]] = {}  # id(entry) -> (entry, digest)
+        self._lock = threading.Lock()  # note()/forget() proposing or settling, take() on the tick thread
+
+    def note(self, entry: Any, digest: int) -> int:
+        """Remember ``entry``'s digest; the key to ``forget`` it by."""
+        with self._lock:
+            while len(self._known) >= self._size:
+                self._known.pop(next(iter(self._known)))
+            self._known[id(entry)] = (entry, digest)  # held: its id is its own meanwhile
+        return id(entry)
+
+    def take(self, entry: Any) -> int | None:
+        """``entry``'s digest if it was noted (and forget it), else None."""
+        with self._lock:
+            found = self._known.pop(id(entry), None)
+        if found is None or found[0] is not entry:
+            return None
+        return found[1]
+
+    def forget(self, key: int) -> None:
+        with self._lock:
+            self._known.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._known)
 
 
 def record_sum(epoch: int, checked: bytes, command: Any, *, digest: Digest = full_digest,

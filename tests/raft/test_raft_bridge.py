@@ -8,7 +8,7 @@ import threading
 from typing import Any
 
 import pytest
-from conftest import wait_for
+from conftest import free_ports, wait_for
 from pysyncobj.config import FAIL_REASON
 
 from kvps.config import RaftConfig
@@ -164,5 +164,41 @@ def test_propose_through_a_real_single_replica_group(tmp_path):
         assert first == 1 and sorted(results) == list(range(2, 22))
         assert isinstance(domain, InvalidRequest) and domain.message == "domain error"
         assert applied[0] == b"one" and len(applied) == 22
+    finally:
+        group.stop()
+
+
+def test_a_leader_journals_its_own_frames_without_hashing_them_again(tmp_path):
+    """A proposal of ``FrameParts`` reaches the leader's journal with the digest it was built
+    with: the group's ``command_digest`` (the full check) runs only for other proposals, every
+    entry applies, and nothing stays noted once the proposals settled."""
+    import numpy as np
+
+    from kvps.delta import frame
+
+    checked: list[int] = []
+
+    def command_digest(view):
+        checked.append(len(view))
+        return frame.verified_digest(view)
+
+    applied: list[bytes] = []
+    raft = RaftConfig(election_timeout_min=0.2, election_timeout_max=0.4, connection_timeout=1.0)
+    group = ShardGroup(self_address=f"127.0.0.1:{free_ports(1)[0]}", peers=[], raft=raft, secret=b"k" * 32,
+                       context="bridge", journal_dir=tmp_path, applier=lambda d: applied.append(bytes(d)),
+                       snapshot_state=lambda: b"", restore_state=lambda blob: None,
+                       command_digest=command_digest)
+    parts = [frame.encode_parts(frame.KIND_COMMAND, {"k": k}, [np.full(4096, k, np.float32)], at=2)
+             for k in range(5)]
+    try:
+        async def main():
+            await asyncio.to_thread(wait_for, group.is_leader, 10, "the lone member to lead")
+            await asyncio.gather(*(bridge.propose(group, p) for p in parts))
+            await bridge.propose(group, list(parts[0]))  # the same frame, not known as built here
+        asyncio.run(asyncio.wait_for(main(), 20))
+        frames = [b"".join(p) for p in parts]
+        assert [a for a in applied if a in frames] == frames + [frames[0]]
+        assert checked == [len(frames[0])]  # only the plain list was hashed
+        assert len(group._own_digests) == 0
     finally:
         group.stop()

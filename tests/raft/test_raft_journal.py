@@ -176,6 +176,46 @@ def test_a_frame_journal_checks_each_command_once_and_its_records_cover_every_by
     assert entries(frame_digest_journal(path)) == added[:3]
 
 
+def test_a_leaders_own_frames_are_journaled_with_the_digest_they_were_built_with(tmp_path):
+    """``KnownDigests``: a proposal's digest from its ``FrameParts`` is taken instead of a pass
+    over its bytes, and is the very digest that pass gives (the records validate when the journal
+    is read back with the full check); one never noted, forgotten, or pushed out is hashed."""
+    passes: list[int] = []
+
+    def counted(view):
+        passes.append(len(view))
+        return frame.verified_digest(view)
+
+    known = segments.KnownDigests(size=2)
+    path = tmp_path / "raft.journal"
+    j = open_journal(path, digest=segments.prefixed_digest(_ENTRY_PREFIX, counted, known))
+    rng = np.random.default_rng(2026)
+    built = []
+    for k in range(6):
+        arrays = [rng.standard_normal(1000 + 100 * k).astype(np.float32), np.arange(k + 3, dtype=np.int64)]
+        codec = ["lz4", "none"] if k % 2 else "none"
+        parts = frame.encode_parts(frame.KIND_COMMAND, {"k": k}, arrays, codec=codec, at=len(_ENTRY_PREFIX))
+        built.append((b"".join((_ENTRY_PREFIX, *parts)), parts.digest))
+    (c0, d0), (c1, d1), (c2, d2), (c3, d3), (c4, d4), (c5, d5) = built
+    key0 = known.note(c0, d0)
+    known.note(c1, d1)
+    j.add(c1, 1, 1)  # noted: no pass
+    j.add(c0, 2, 1)  # noted: no pass
+    assert passes == [] and len(known) == 0
+    known.forget(key0)  # settled after the journal took it: nothing to forget, nothing breaks
+    known.forget(known.note(c2, d2))  # settled before the journal saw it (leadership moved)
+    j.add(c2, 3, 1)
+    assert passes == [len(c2) - len(_ENTRY_PREFIX)]
+    for command, digest in built[3:]:
+        known.note(command, digest)  # three for two places: the first is pushed out
+    for i, (command, _) in enumerate(built[3:]):
+        j.add(command, 4 + i, 1)
+    assert len(passes) == 2 and passes[1] == len(c3) - len(_ENTRY_PREFIX) and len(known) == 0
+    j._destroy()
+    added = [(c1, 1, 1), (c0, 2, 1), (c2, 3, 1), (c3, 4, 1), (c4, 5, 1), (c5, 6, 1)]
+    assert entries(frame_digest_journal(path)) == added  # every record checks with the full pass
+
+
 def test_segments_of_the_first_format_are_read_and_then_left_for_new_ones(tmp_path, monkeypatch):
     """Version 1 records (the epoch-seeded hash of the command itself) keep reading after an
     upgrade; appends go to a fresh segment of the current version."""
