@@ -8,7 +8,8 @@ well as entries (``applied``/``due``).
 
 It runs off the tick thread: pysyncobj calls the serializer on the tick thread, which only takes
 ``snapshot_state()`` (a consistent view of the state: references to immutable blocks, copies of
-what mutates in place) and starts a writer thread; the writer encodes and fsyncs
+what mutates in place) and hands the writer to a writer thread (one kept for the next,
+``kvps.raft.threads.Workers``); the writer encodes and fsyncs
 ``raft.snapshot.partial``; ``serializeChecker`` (polled on the tick thread) renames it into place
 when the writer is done and reports SUCCESS, and only then does pysyncobj drop the log entries it
 covers. Every rename of the dump file happens on the tick thread, so a snapshot installed from
@@ -47,7 +48,7 @@ from pysyncobj.node import TCPNode
 
 from kvps.config import RaftConfig
 from kvps.raft import snapshot_file
-from kvps.raft.threads import background_priority, name_native_thread
+from kvps.raft.threads import Workers
 
 __all__ = ["Compaction", "is_last_install_chunk", "prepare"]
 
@@ -56,6 +57,10 @@ logger = logging.getLogger("kvps.raft")
 SPARE = ".spare"  # a replaced snapshot kept for the next compaction to overwrite
 SPARE_MAX_BYTES = 256 << 20
 DEFER_FACTOR = 4  # a due compaction waits for a snapshot being sent up to this many times its bytes
+
+# The process's snapshot writers and unlinkers: threads kept for the next job, not one per job.
+_WRITERS = Workers("raft-snapshot", background=True)
+_UNLINKERS = Workers("kvps-unlink")
 
 
 def prepare(dump_path: Path) -> int:
@@ -141,8 +146,8 @@ class Compaction:
         """Wait for the writer in flight (stopping: a half-written .partial is harmless, but do not
         leave it)."""
         job = self._writer
-        if job is not None and job.thread is not None:
-            job.thread.join(timeout=timeout)
+        if job is not None:
+            job.done.wait(timeout=timeout)
 
     @contextmanager
     def replacing_dump(self) -> Iterator[None]:
@@ -203,7 +208,7 @@ class Compaction:
         job = self._writer
         if job is None:
             return SERIALIZER_STATE.NOT_SERIALIZING
-        if job.thread is not None and job.thread.is_alive():
+        if not job.done.is_set():
             return SERIALIZER_STATE.SERIALIZING
         self._writer = None
         if job.error is not None:
@@ -270,7 +275,7 @@ class Compaction:
 
 
 class _Writer:
-    """One log compaction's writer thread: encodes the state view and writes ``partial``."""
+    """One log compaction's writer (on a writer thread): encodes the state view, writes ``partial``."""
 
     def __init__(self, snap: snapshot_file.RaftSnapshot | None, state: Any, partial: str,
                  installs: int, dump: str = "", busy: Callable[[], bool] | None = None) -> None:
@@ -283,7 +288,7 @@ class _Writer:
         self.installs = installs
         self.index = snap.last_entry[1] if snap is not None else -1
         self.error: BaseException | None = None
-        self.thread: threading.Thread | None = None
+        self.done = threading.Event()  # set when the writer has finished (or was never needed)
         self.seconds = 0.0
         self.nbytes = 0
         self.old_bytes = 0  # size of the snapshot this one replaces (linked as ``old``)
@@ -293,17 +298,14 @@ class _Writer:
         job = cls(None, None, "", 0)
         job.index = index
         job.error = RuntimeError("taking the state failed (see the log)")
+        job.done.set()
         return job
 
     def start(self) -> None:
-        self.thread = threading.Thread(target=self._run, name=f"kvps-compaction-{self.index}",
-                                       daemon=True)
-        self.thread.start()
+        _WRITERS.submit(self._run)
 
     def _run(self) -> None:
         started = time.monotonic()
-        background_priority()
-        name_native_thread("raft-snapshot")
         try:
             if self.snap is None:  # only failed() jobs have none, and they never start
                 raise RuntimeError("a compaction writer started without a snapshot")
@@ -332,6 +334,7 @@ class _Writer:
         finally:
             self.state = None  # let the view's arrays go
             self.seconds = time.monotonic() - started
+            self.done.set()
 
 
 _gone = itertools.count()
@@ -364,10 +367,9 @@ def _unlink_in_background(paths: list[str]) -> None:
         return
 
     def unlink_all() -> None:
-        name_native_thread("kvps-unlink")  # else it shows as its creator, the tick thread
         for path in paths:
             _unlink(path)
-    threading.Thread(target=unlink_all, daemon=True, name="kvps-unlink").start()
+    _UNLINKERS.submit(unlink_all)
 
 
 def _unlink(path: str) -> None:
