@@ -117,7 +117,8 @@ def run_workers(target: Callable, args: tuple, n: int, *, warmup: float, seconds
     one fails; always terminates the processes it started. ``server()`` (``process_usage`` of the
     system's server processes) and the machine's page cache are sampled at the window's start and
     end; the differences land in every report's ``counters`` as ``server_cpu_s``,
-    ``server_minflt`` and ``page_cache_bytes``.
+    ``server_minflt`` and ``page_cache_bytes`` (``server()``'s over the warm-up, sampled when the
+    workers start, as ``warmup_server_<name>``).
     """
     ctx = mp.get_context("spawn")
     ready, go, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -136,7 +137,7 @@ def run_workers(target: Callable, args: tuple, n: int, *, warmup: float, seconds
         samples: list[dict[str, float]] = []
         sample = lambda: samples.append({**server(), "page_cache_bytes": page_cache_bytes()})  # noqa: E731
         timers = [threading.Timer(max(0.0, t - time.monotonic()), sample)
-                  for t in (window.start, window.end)] if server else []
+                  for t in (window.go, window.start, window.end)] if server else []
         for t in timers:
             t.start()
         reports: dict[int, StepWindow] = {}
@@ -150,9 +151,12 @@ def run_workers(target: Callable, args: tuple, n: int, *, warmup: float, seconds
         for rep in reports.values():
             rep.counters["window_start"] = window.start
             rep.counters["window_end"] = window.end
-            if len(samples) == 2:
-                rep.counters.update({f"server_{k}" if k != "page_cache_bytes" else k: samples[1][k] - v
-                                     for k, v in samples[0].items()})
+            if len(samples) == 3:
+                go, start, end = samples
+                rep.counters.update({f"server_{k}" if k != "page_cache_bytes" else k: end[k] - v
+                                     for k, v in start.items()})
+                rep.counters.update({f"warmup_server_{k}": start[k] - v for k, v in go.items()
+                                     if k != "page_cache_bytes"})
         return [reports[r] for r in range(n)]
     finally:
         for p in procs:

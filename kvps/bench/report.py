@@ -172,7 +172,7 @@ def _b6_md(b6: dict) -> list[str]:
     if kv and "pushes_per_entry" in kv:
         rows += ["", (f"kvps server CPU per step: {_f(kv['server_cpu_s_per_step'] * 1000, 1)} ms; push requests "
                       f"merged per Raft entry: {_f(kv['pushes_per_entry'])}; replica role changes: "
-                      f"{kv.get('role_changes', '–')}.")]
+                      f"{kv.get('role_changes', '–')} (in the warm-up: {kv.get('role_changes_warmup', '–')}).")]
     return rows + [""]
 
 
@@ -267,7 +267,8 @@ def _b1_md(r: dict) -> list[str]:
     if kv and kv.get("wire_bytes"):
         rows += [(f"kvps wire bytes in the whole run (client bodies): {kv['wire_bytes'] / MB:,.0f} MB; "
                  f"client retries: {kv.get('client_retries', 0)}; replica role changes (elections "
-                 f"with no fault injected) during B1: {kv.get('role_changes', '–')}; push requests merged per "
+                 f"with no fault injected) during B1: {kv.get('role_changes', '–')} (in its warm-up: "
+                 f"{kv.get('role_changes_warmup', '–')}); push requests merged per "
                  f"Raft entry: {_f(kv.get('pushes_per_entry'))}."), ""]
     return rows
 

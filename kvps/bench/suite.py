@@ -359,6 +359,9 @@ def _b1_server_counters(counters: dict[str, float]) -> dict[str, float]:
     return {
         # elections with no fault injected: each one stalls a shard's pushes
         "role_changes": int(counters.get("server_leader_changes", 0)),
+        # the same in the warm-up before it (start-up load: compactions begin, pages first touched)
+        "role_changes_warmup": (int(counters["warmup_server_leader_changes"])
+                                if "warmup_server_leader_changes" in counters else None),
         # client push requests per Raft entry: how much the leaders' merging saved
         "pushes_per_entry": counters.get("server_batched_pushes", 0) / batches if batches else float("nan"),
     }

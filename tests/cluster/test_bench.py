@@ -107,6 +107,7 @@ def test_tiny_bench_runs_every_section(tmp_path, capsys):
     # exactly-once: every push the workers made is in the final values
     assert b1["kvps"]["updates_lost"] == 0 and b1["kvps"]["updates_pushed"] > 0
     assert b1["kvps"]["server_minflt_per_step"] > 0 and "page_cache_mib_per_step" in b1["kvps"]
+    assert b1["kvps"]["role_changes"] >= 0 and b1["kvps"]["role_changes_warmup"] >= 0  # both sampled
     assert 0 < b1["kvps"]["fraction_of_limit"] < 1
     assert results["b1"]["ratio_vs_inmem"] > 0
     assert results["b3"]["kills"] == 1 and 0 < results["b3"]["p50_s"] < 30
