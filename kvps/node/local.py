@@ -19,7 +19,7 @@ from typing import Any
 
 from kvps.config import ClusterConfig, NodeConfig, RaftConfig, ServerConfig, dump_cluster
 from kvps.errors import KvpsError, Unavailable
-from kvps.service.auth import admin_token
+from kvps.service.auth import admin_token, new_token
 from kvps.service.http import request_json, rpc
 from kvps.node.process import python_module_args, spawn, stop_process
 
@@ -129,7 +129,7 @@ class LocalCluster:
     def _write_files(self) -> None:
         self.config_path.write_text(dump_cluster(self.cfg))
         for name, make in (("secret", lambda: secrets.token_hex(32)),
-                           ("token", lambda: secrets.token_urlsafe(24))):
+                           ("token", new_token)):
             path = self.data_dir / name
             if not path.exists():
                 path.touch(mode=0o600)

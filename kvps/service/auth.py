@@ -16,12 +16,14 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import secrets
 import time
 from pathlib import Path
 
 from kvps.errors import ConfigError, Forbidden, Unauthorized
 
-__all__ = ["ROLES", "TokenStore", "admin_token", "allows", "parse_bearer", "parse_tokens", "read_tokens"]
+__all__ = ["ROLES", "TokenStore", "admin_token", "allows", "new_token", "parse_bearer", "parse_tokens",
+           "read_tokens"]
 
 log = logging.getLogger("kvps.auth")
 
@@ -45,6 +47,12 @@ def parse_tokens(text: str) -> list[tuple[str, str]]:
                               f"{', '.join(ROLES)}", line=number)
         out.append((fields[0], fields[1] if len(fields) == 2 else "admin"))
     return out
+
+
+def new_token() -> str:
+    """A fresh token: 192 random bits as hex. Hex because a token that starts with ``-`` (one in 64
+    of ``token_urlsafe``'s) reads as an option on a command line: ``kvps status --token -x…`` fails."""
+    return secrets.token_hex(24)
 
 
 def read_tokens(path: Path) -> list[tuple[str, str]]:

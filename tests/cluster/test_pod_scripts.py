@@ -38,6 +38,7 @@ import pytest
 from conftest import ROOT, wait_for
 from kvps.errors import KvpsError
 from kvps.node.local import wait_until
+from kvps.service.auth import new_token
 from kvps.service.http import request_json
 from kvps_chaos import netns
 from kvps_chaos.elastic import meta, replicas_agree, settled
@@ -114,7 +115,7 @@ class Pods:
         self.topo, self.api, self.tmp = topo, api, tmp
         self.procs: dict[int, subprocess.Popen] = {}
         self.started = time.monotonic()
-        self.admin_token, self.write_token = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
+        self.admin_token, self.write_token = new_token(), new_token()
         self.config, self.secret, self.sa = tmp / "config", tmp / "secret", tmp / "serviceaccount"
         for d in (self.config, self.secret, self.sa):
             d.mkdir()

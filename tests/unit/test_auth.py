@@ -5,7 +5,8 @@ import pytest
 
 import kvps_client as kc
 from kvps.errors import ConfigError, Forbidden, Unauthorized, error_from_dict
-from kvps.service.auth import TokenStore, admin_token, allows, parse_tokens
+from kvps.cli.main import build_parser
+from kvps.service.auth import TokenStore, admin_token, allows, new_token, parse_tokens
 
 
 def test_a_bare_token_line_is_admin_and_a_role_may_follow():
@@ -19,6 +20,15 @@ def test_a_malformed_line_is_refused_by_number(line):
     with pytest.raises(ConfigError) as err:
         parse_tokens(f"good\n{line}\n")
     assert err.value.fields["line"] == 2
+
+
+def test_a_generated_token_is_accepted_on_the_command_line():
+    # token_urlsafe gave a token starting with "-" one run in 64, and "--token -x..." is an option to argparse
+    tokens = {new_token() for _ in range(2000)}
+    assert len(tokens) == 2000 and all(not t.startswith("-") and len(t) == 48 for t in tokens)
+    parser = build_parser()
+    for token in sorted(tokens)[:5] + sorted(tokens)[-5:]:
+        assert parser.parse_args(["status", "--token", token]).token == token
 
 
 def test_roles_are_ordered_read_write_admin():
