@@ -37,7 +37,7 @@ demo: install
 	$(VENV)/bin/kvps demo --out demo-out
 
 # kvps against Redis (primary + 2 replicas) and a PyTorch RPC server, side by side; a full run
-# takes ~6 min. The Redis peer needs Debian's redis-server: installed here when missing (as root);
+# takes ~9 min. The Redis peer needs Debian's redis-server: installed here when missing (as root);
 # if that fails the bench skips Redis with a line saying so. BENCH_ARGS=--quick for a short run.
 BENCH_ARGS ?=
 bench: install
