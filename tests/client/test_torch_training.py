@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import os
 import subprocess
 import sys
@@ -335,7 +336,7 @@ def test_a_kvps_embedding_serves_two_features_per_prefetch_in_asyncio(cluster):
 
 # ---- the event loop is never blocked by a conversion -----------------------------------------------
 
-PULLS = 8
+PULLS = 12
 
 
 class Big(nn.Module):
@@ -357,10 +358,11 @@ def copy_seconds(n: int) -> float:
 
 def test_pulls_copy_into_parameters_without_blocking_the_event_loop(cluster):
     """A loop-lag probe ticks every millisecond while pulls copy 64 MiB into the parameter. A
-    copy on the loop (as before: assemble the value, then copy it in) holds up a tick for two
-    copies at least; off the loop, ticks are only as late as this (shared) machine makes them."""
+    copy on the loop holds up a tick for one copy at least (as it did before: assemble the value,
+    then copy it in: two); off the loop, ticks are only as late as this (shared) machine makes
+    them."""
     n = 16 << 20  # 64 MiB of float32
-    threshold = 1.5 * copy_seconds(n)
+    threshold = 0.7 * copy_seconds(n)  # a copy on the loop holds a tick for one copy at least
 
     async def main():
         async with kc.Client(cluster.endpoints, token=cluster.token, seed=0) as ps:
@@ -374,20 +376,24 @@ def test_pulls_copy_into_parameters_without_blocking_the_event_loop(cluster):
                     start = time.perf_counter()
                     await asyncio.sleep(0.001)
                     lags.append(time.perf_counter() - start - 0.001)
-            task = asyncio.create_task(probe())
-            for _ in range(PULLS):  # nothing changed: each pull is a copy into the parameter
-                await pm.pull()
-            stop.set()
-            await task
+            gc.disable()  # a full collection of this torch-laden process would be a late tick too
+            try:
+                task = asyncio.create_task(probe())
+                for _ in range(PULLS):  # nothing changed: each pull is a copy into the parameter
+                    await pm.pull()
+                stop.set()
+                await task
+            finally:
+                gc.enable()
             await pm.close()
             return lags
 
     lags = asyncio.run(main())
     assert len(lags) >= PULLS
     late = [round(x * 1000, 1) for x in lags if x > threshold]
-    # A couple of late ticks are tolerated (a loaded machine deschedules the loop now and then);
-    # copies on the loop make every pull late.
-    assert len(late) <= 2, f"loop ticks later than {threshold * 1000:.1f} ms: {late}"
+    # Some late ticks are tolerated (a loaded machine deschedules the loop now and then); a copy
+    # on the loop makes a tick late at every pull: PULLS of them at least.
+    assert len(late) <= PULLS // 2, f"loop ticks later than {threshold * 1000:.1f} ms: {late}"
 
 
 def test_the_readme_examples_run(cluster):
