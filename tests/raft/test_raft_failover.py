@@ -32,21 +32,29 @@ def test_survivors_take_disjoint_slots_by_address():
     assert election_delay(C, [A, B, "10.0.0.4:7200", "10.0.0.5:7200"], A, 0.1, 0.0) == pytest.approx(0.1)
 
 
+NOW = 1000.0  # the clock the deadline tests read: frozen, so a descheduled test cannot miss a slot
+
+
+@pytest.fixture
+def frozen_clock(monkeypatch):
+    monkeypatch.setattr("kvps.raft.failover.monotonic", lambda: NOW)
+
+
 def group_with_deadline(seconds_from_now: float) -> SimpleNamespace:
     group = SimpleNamespace()
-    setattr(group, DEADLINE, monotonic() + seconds_from_now)
+    setattr(group, DEADLINE, NOW + seconds_from_now)
     return group
 
 
-def test_the_deadline_is_set_to_the_slot():
+def test_the_deadline_is_set_to_the_slot(frozen_clock):
     group = group_with_deadline(0.5)
-    assert -0.46 < schedule_election(group, 0.05) < -0.44
-    assert 0.04 < getattr(group, DEADLINE) - monotonic() <= 0.05
+    assert schedule_election(group, 0.05) == pytest.approx(-0.45)
+    assert getattr(group, DEADLINE) == pytest.approx(NOW + 0.05)
     # A later survivor whose own timeout was about to run out waits for its slot instead, so it does
     # not stand together with the first one; by at most the slot.
     soon = group_with_deadline(0.01)
-    assert 0 < schedule_election(soon, 0.12) <= 0.12
-    assert 0.11 < getattr(soon, DEADLINE) - monotonic() <= 0.12
+    assert schedule_election(soon, 0.12) == pytest.approx(0.11)
+    assert getattr(soon, DEADLINE) == pytest.approx(NOW + 0.12)
 
 
 def follower_of(leader: str | None, me: str = A, deadline: float = 0.6) -> SimpleNamespace:
@@ -57,7 +65,7 @@ def follower_of(leader: str | None, me: str = A, deadline: float = 0.6) -> Simpl
     return group
 
 
-def test_only_the_leader_we_follow_counts():
+def test_only_the_leader_we_follow_counts(frozen_clock):
     for group, gone in ((follower_of(B), C),       # another follower died
                         (follower_of(A), B),       # we lead
                         (follower_of(None), B)):   # an election is already under way
@@ -68,7 +76,7 @@ def test_only_the_leader_we_follow_counts():
     group = follower_of(B)
     failover = FastFailover(group, 0.1, random.Random(1))
     failover.on_peer_gone(B)
-    assert failover.scheduled == 1 and getattr(group, DEADLINE) - monotonic() < 0.05
+    assert failover.scheduled == 1 and getattr(group, DEADLINE) - NOW < 0.05
 
 
 def test_config_validates_the_knobs():
