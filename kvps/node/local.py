@@ -261,6 +261,34 @@ class LocalCluster:
         return next((r for r in cmap["shards"][shard]["replicas"]
                      if r.get("role") == "leader" and r.get("serving")), None)
 
+    def wait_leader(self, shard: int, timeout: float = 30.0) -> dict[str, Any]:
+        """``shard``'s serving leader (with its pid), waiting for one: a node that misses the
+        cluster view's short deadline shows its replicas' roles as unknown for a moment."""
+        return self._wait_shard(shard, timeout, every=False)[0]
+
+    def wait_replicas(self, shard: int, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """``shard``'s replicas, its serving leader first, once every one has a role and a pid."""
+        return self._wait_shard(shard, timeout, every=True)
+
+    def _wait_shard(self, shard: int, timeout: float, every: bool) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = []
+
+        def known() -> bool:
+            cmap = self.cluster_map()
+            if cmap is None:
+                return False
+            replicas = cmap["shards"][shard]["replicas"]
+            leaders = [r for r in replicas if r.get("role") == "leader" and r.get("serving")
+                       and r.get("pid") is not None]
+            if len(leaders) != 1 or every and any(r.get("role") in (None, "unknown")
+                                                  or r.get("pid") is None for r in replicas):
+                return False
+            found[:] = [*leaders, *(r for r in replicas if r is not leaders[0])]
+            return True
+        what = "every replica" if every else "a serving leader"
+        wait_until(known, timeout, f"{what} of shard {shard} in the cluster view")
+        return found
+
     def replica(self, shard: int, node_id: int) -> dict[str, Any] | None:
         cmap = self.cluster_map()
         if cmap is None:

@@ -70,7 +70,7 @@ def test_metrics_are_valid_prometheus_and_count_what_happened(cluster):
                 await ps.push({"m/w": np.ones(3, np.float32)})
     asyncio.run(main())
     shard = block_shard("m/w", 0, cluster.cfg.shards)
-    leader_node = cluster.leader(shard)["node"]
+    leader_node = cluster.wait_leader(shard)["node"]
     status, body = get(cluster.cfg.node(leader_node).admin_url + "/metrics")
     assert status == 200
     samples = [s for f in text_string_to_metric_families(body.decode()) for s in f.samples]  # parses
@@ -232,7 +232,7 @@ def test_nonfinite_gradients_skipped_and_counted(cluster):
     value, version = asyncio.run(main())
     assert np.all(value == 1) and version == 1
     shard = block_shard("nan/w", 0, cluster.cfg.shards)
-    _, body = get(cluster.cfg.node(cluster.leader(shard)["node"]).admin_url + "/metrics")
+    _, body = get(cluster.cfg.node(cluster.wait_leader(shard)["node"]).admin_url + "/metrics")
     assert 'kvps_nonfinite_pushes_total{action="skipped"' in body.decode()
 
 

@@ -68,7 +68,7 @@ def test_leader_kill_loses_nothing_and_resumes_fast(cluster_factory):
             stop, acks = asyncio.Event(), []
             workers = [asyncio.create_task(count_pushes(ps, stop, acks)) for _ in range(3)]
             await asyncio.to_thread(wait_until, lambda: len(acks) >= 30, 30, "30 acks")
-            leader = cluster.leader(shard)
+            leader = await asyncio.to_thread(cluster.wait_leader, shard)
             killed_at = time.monotonic()
             cluster.kill_replica(leader)  # procs 1: its whole node (on this thread: see its doc)
             await asyncio.to_thread(wait_until, lambda: any(t > killed_at for t in acks), 10,
@@ -97,9 +97,7 @@ def test_follower_restart_catches_up_from_journal(cluster_factory):
             await ps.create(KEY, np.zeros(1, np.float32))
             for _ in range(20):
                 await ps.push({KEY: np.ones(1, np.float32)})
-            leader = cluster.leader(shard)
-            follower = next(r for r in cluster.cluster_map()["shards"][shard]["replicas"]
-                            if r["node"] != leader["node"])
+            leader, follower, *_ = await asyncio.to_thread(cluster.wait_replicas, shard)
             cluster.kill_replica(follower)
             for _ in range(20):
                 await ps.push({KEY: np.ones(1, np.float32)})
@@ -132,7 +130,7 @@ def test_a_replica_whose_data_is_lost_recovers_without_voting_then_votes_again(c
             return float(value[0]), version
 
     asyncio.run(push(20, create=True))
-    leader = cluster.leader(shard)
+    leader = cluster.wait_leader(shard)
     node = next(n for n in cluster.cfg.replica_nodes(shard) if n != leader["node"])
     node_dir = cluster.data_dir / cluster.cfg.node(node).data_dir
     assert (node_dir / "hosted" / f"shard-{shard}").exists()
@@ -214,7 +212,7 @@ def test_push_whose_reply_is_lost_is_applied_once(cluster_factory, dedup):
     shard = block_shard(KEY, 0, cluster.cfg.shards)
 
     def kill_leader():
-        cluster.kill_replica(cluster.leader(shard))
+        cluster.kill_replica(cluster.wait_leader(shard))
 
     async def main():
         transport = LoseFirstPushReply(kc.HttpTransport(), kill_leader)

@@ -88,7 +88,7 @@ def test_a_node_killed_under_pushes_loses_nothing_and_comes_back(cluster_factory
             stop, acks = asyncio.Event(), []
             workers = [asyncio.create_task(count_pushes(ps, stop, acks)) for _ in range(3)]
             await asyncio.to_thread(wait_until, lambda: len(acks) >= 30, 30, "30 acks")
-            node = cluster.leader(shard)["node"]
+            node = (await asyncio.to_thread(cluster.wait_leader, shard))["node"]
             killed_at = time.monotonic()
             cluster.kill_node(node)
             await asyncio.to_thread(wait_until, lambda: any(t > killed_at for t in acks), 30,
