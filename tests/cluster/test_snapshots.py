@@ -31,7 +31,9 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    yield from module_cluster(tmp_path_factory, "snap", shards=2)
+    # A cut that an election interrupts on a loaded machine can take longer than the default
+    # hold allows (the coordinator then abandons it: a 503 these tests would read as a failure).
+    yield from module_cluster(tmp_path_factory, "snap", shards=2, server=ServerConfig(snapshot_hold=20.0))
 
 
 def run(coro):
