@@ -627,9 +627,10 @@ def on_tick_thread(group: ShardGroup, fn, timeout: float = 10.0) -> None:
 def test_leader_death_elects_a_new_leader_well_before_the_election_timeout(tmp_path):
     """A stopped leader's connections are closed and its port refuses connections, as after kill -9:
     the followers elect at once instead of waiting out a (here deliberately long) election timeout.
-    Without the fast path no follower could stand before ~2 s of silence."""
-    raft = RaftConfig(election_timeout_min=2.0, election_timeout_max=4.0, heartbeat_period=0.05,
-                      leader_fallback_timeout=2.0, connection_timeout=4.0, connection_retry=0.1)
+    Without the fast path no follower could stand before ~4 s of silence (long, so that a loaded
+    machine's stall cannot make the fast path look slow)."""
+    raft = RaftConfig(election_timeout_min=4.0, election_timeout_max=6.0, heartbeat_period=0.05,
+                      leader_fallback_timeout=4.0, connection_timeout=6.0, connection_retry=0.1)
     c = Cluster(tmp_path, raft=raft)
     try:
         c.start_all()
