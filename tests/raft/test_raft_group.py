@@ -5,6 +5,7 @@ Three in-process groups on 127.0.0.1 with free ports; every wait is a condition 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 import shutil
@@ -564,8 +565,11 @@ def test_compaction_runs_off_the_tick_thread(tmp_path):
     """While the leader's compaction is stuck in its writer for twice the election timeout, the
     leader keeps its term and commits; once written, the snapshot covers exactly the entries
     applied when it started and the log is truncated. (A compaction on the tick thread stalls the
-    heartbeats and the followers elect someone else.)"""
-    c = Cluster(tmp_path)
+    heartbeats and the followers elect someone else.) Election timeouts of 1-2 s: a stall of this
+    whole test process on a loaded machine must not pass for the compaction's."""
+    raft = dataclasses.replace(FAST, election_timeout_min=1.0, election_timeout_max=2.0,
+                               leader_fallback_timeout=2.0, connection_timeout=3.0)
+    c = Cluster(tmp_path, raft=raft)
     try:
         c.start_all()
         leader = c.leader()
@@ -584,7 +588,7 @@ def test_compaction_runs_off_the_tick_thread(tmp_path):
         covered = list(slow.applied)
         started = time.monotonic()
         committed = 0
-        while committed < 10 or time.monotonic() - started < 2 * FAST.election_timeout_max:
+        while committed < 10 or time.monotonic() - started < 2 * raft.election_timeout_max:
             assert propose_sync(leader, b"during-%d" % committed, timeout=5)[1] == SUCCESS
             committed += 1
         assert leader.is_leader() and leader.term() == term, "the leader lost its term while compacting"
