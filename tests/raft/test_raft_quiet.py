@@ -16,10 +16,11 @@ from test_raft_ticker import FAST, Nodes
 from kvps.config import RaftConfig
 from kvps.errors import ConfigError
 
-# Election timeouts a loaded 2-core CI machine does not run out by accident (0.6 s of margin
-# after each quiet heartbeat); quiet period 0.4 s (connection_timeout / 4 would allow 0.5).
-QUIET = dataclasses.replace(FAST, election_timeout_min=0.6, election_timeout_max=1.0, connection_timeout=2.0,
-                            quiet_heartbeat_period=0.4, quiet_after=0.3)
+# Election timeouts a loaded 2-core CI machine does not run out by accident (1.2 s of margin
+# after each quiet heartbeat, a stall of the whole test process included); quiet period 0.4 s
+# (connection_timeout / 4 would allow 0.5).
+QUIET = dataclasses.replace(FAST, election_timeout_min=1.2, election_timeout_max=2.0, connection_timeout=2.0,
+                            leader_fallback_timeout=2.0, quiet_heartbeat_period=0.4, quiet_after=0.3)
 
 
 @pytest.fixture
