@@ -122,8 +122,10 @@ def test_a_node_killed_under_pushes_loses_nothing_and_comes_back(cluster_factory
 
 # ---- one replica halts in a process that hosts others ---------------------------------------------
 
-FAST = RaftConfig(election_timeout_min=0.3, election_timeout_max=0.6, heartbeat_period=0.05,
-                  leader_fallback_timeout=0.6, connection_timeout=1.5, connection_retry=0.1)
+# Election timeouts no stall of this test process on a loaded machine runs out: the test talks
+# to the leaders it found and is not about elections.
+STEADY = RaftConfig(election_timeout_min=1.0, election_timeout_max=2.0, heartbeat_period=0.05,
+                    leader_fallback_timeout=2.0, connection_timeout=3.0, connection_retry=0.1)
 
 
 class _Residents:
@@ -132,7 +134,7 @@ class _Residents:
     def __init__(self, root: Path) -> None:
         port = free_port_base(ports_needed(3, 2), seed=17)
         self.cfg = make_config(nodes=3, shards=2, replicas=3, port=port, block_bytes=1 << 20,
-                               raft=FAST, server=RESIDENT)
+                               raft=STEADY, server=RESIDENT)
         (root / "token").write_text("test-token-for-residents\n")
         self.tickers = [Ticker(name=f"ticker-{n}") for n in range(3)]
         self.downs: list[tuple[int, int, str]] = []
