@@ -50,7 +50,7 @@ def post(url: str, body: bytes, token: str | None, headers: dict | None = None) 
 
 
 def leader_url(cluster, shard: int) -> str:
-    return wait_until(lambda: (cluster.leader(shard) or {}).get("data_url"), 30, "a leader")
+    return cluster.wait_leader(shard)["data_url"]
 
 
 def state_hash(url: str, token: str) -> str:
