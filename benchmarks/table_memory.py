@@ -13,7 +13,8 @@ record + index, ``accounted_overhead_per_row`` what the memory limit counts for 
 cap above ``--rows``, LFU and a TTL: + step, last push, push count). ``--ids``: ``spread`` ids
 (``i * 7919 + 13``: past 2**32 from 542 k rows on, so int64 ids, as hashed features) or ``uint32``
 (``i * 419 + 13``: below 2**32 up to 10 M rows). Part 2, in a fresh process, streams ``10 * --cap``
-distinct ids (10 k per push) through ``ShardState.apply`` into a table with ``max_rows=--cap`` and
+distinct ids (10 k per push) through ``StateHost.apply`` (as a replica applies: evictions let it
+give free heap back) into a table with ``max_rows=--cap`` and
 prints the peak RSS against the cap's accounted bytes + 64 MiB; with ``--part both`` (the default)
 that process runs with the malloc settings of a replica process (``REPLICA_ENV``), as
 ``env MALLOC_MMAP_THRESHOLD_=... benchmarks/table_memory.py --part stream`` does by hand.
@@ -84,10 +85,14 @@ def bytes_per_row(rows: int, dim: int, table: str = "add", spread: str = "spread
 
 def stream_rss(cap: int, dim: int) -> dict:
     from kvps.command import CreateTable, Push, PushId, RowDelta
+    from kvps.replica.history import BlockHistory
+    from kvps.replica.host import StateHost
+    from kvps.service.lifecycle import heap_trimmer
     from kvps.shard import ShardState
     base = _rss_mib()
     s = ShardState(0)
-    s.apply(CreateTable("emb", dim, "float32", {"name": "adagrad", "lr": 0.1}, {"name": "normal", "seed": 1},
+    host = StateHost(s, history=BlockHistory, perform=lambda effect: None)  # as a replica applies
+    host.apply(CreateTable("emb", dim, "float32", {"name": "adagrad", "lr": 0.1}, {"name": "normal", "seed": 1},
                         "sum", {"max_rows": cap, "evict": "lru"}))
     per_push = max(1, min(10_000, cap // 10))  # a push far smaller than the cap, as in training
     grads = np.ones((per_push, dim), np.float32)
@@ -96,8 +101,8 @@ def stream_rss(cap: int, dim: int) -> dict:
     start = time.perf_counter()
     for q in range(10 * cap // per_push):
         ids = np.arange(q * per_push, (q + 1) * per_push, dtype=np.int64)
-        res = s.apply(Push(float(q), (PushId("c", q + 1, q + 1, ("emb",)),), (),
-                           (RowDelta("emb", ids, grads, counts),))).result
+        res = host.apply(Push(float(q), (PushId("c", q + 1, q + 1, ("emb",)),), (),
+                              (RowDelta("emb", ids, grads, counts),)))
         assert "versions" in res["results"][("c", q + 1)], res
         peak = max(peak, _rss_mib())
     elapsed = time.perf_counter() - start
@@ -107,7 +112,8 @@ def stream_rss(cap: int, dim: int) -> dict:
             "rss_before_table_mib": round(base, 1), "peak_rss_mib": round(peak, 1),
             "peak_hwm_mib": round(_rss_mib("VmHWM"), 1), "cap_accounted_mib": round(cap_mib, 1),
             "peak_growth_mib": round(peak - base, 1), "bound_mib (cap + 64)": round(cap_mib + 64, 1),
-            "within_bound": peak - base <= cap_mib + 64, "pushes_per_s": round(10 * cap / per_push / elapsed, 1)}
+            "within_bound": peak - base <= cap_mib + 64, "pushes_per_s": round(10 * cap / per_push / elapsed, 1),
+            "heap_trims": heap_trimmer.trims}
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ from kvps.initializer import splitmix64
 from kvps.rows import RowIndex
 
 __all__ = ["Admission", "CountAdmission", "EVICT_POLICIES", "Lifecycle", "Pending", "ProbabilityAdmission",
-           "admission_to_dict", "least", "lifecycle_from_dict"]
+           "Scratch", "admission_to_dict", "least", "lifecycle_from_dict"]
 
 EVICT_POLICIES = ("lru", "lfu")
 
@@ -124,33 +124,70 @@ def lifecycle_from_dict(data: Any) -> Lifecycle | None:
                      _admission_from_dict(data.get("admit")))
 
 
-def least(columns: list[np.ndarray], k: int, after: np.ndarray | None = None) -> np.ndarray:
+class Scratch:
+    """Work arrays kept between pushes. Past its cap a table runs ``least`` over all its rows on
+    every push; fresh row-sized temporaries each time (a copy and a partition of a column, masks:
+    1-16 MiB at 1 M rows) landed in the heap under a replica's mmap threshold and fragmented it
+    (RSS 36 MiB past the cap's bytes + 64 MiB). One buffer per purpose and dtype, grown by 1.25x."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, np.dtype], np.ndarray] = {}
+
+    def take(self, name: str, n: int, dtype: Any) -> np.ndarray:
+        """``n`` entries of the ``name`` buffer (contents undefined)."""
+        dtype = np.dtype(dtype)
+        buf = self._bufs.get((name, dtype))
+        if buf is None or len(buf) < n:
+            buf = self._bufs[(name, dtype)] = np.empty(max(n, n + n // 4), dtype=dtype)
+        return buf[:n]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._bufs.values())
+
+
+def least(columns: list[np.ndarray], k: int, after: np.ndarray | None = None,
+          scratch: Scratch | None = None) -> np.ndarray:
     """Indices of the ``k`` smallest entries in the lexicographic order of ``columns`` (the last
     column unique, e.g. ids), entries flagged in ``after`` (bool) ordered after every other one,
-    sorted; O(n) per column (partition, then only the ties go on), one copy of the first column."""
-    idx = None  # None: every entry (the columns are read as they are, not copied)
+    sorted; O(n) per column (partition, then only the ties go on). ``scratch``: work arrays to
+    reuse (else fresh ones); the columns are never written."""
+    scratch = scratch if scratch is not None else Scratch()
+    idx = None  # None: every entry (the first column is read where it is)
     out = []
     for j, col in enumerate(columns):
         if k <= 0:
             break
-        vals = col if idx is None else col[idx]
-        flagged = j == 0 and after is not None and bool(after.any())
-        if flagged:  # flagged entries take the dtype's top value, so they come last
-            vals = vals.copy()
-            vals[after] = top = np.inf if vals.dtype.kind == "f" else np.iinfo(vals.dtype).max
-        if k >= len(vals):
-            out.append(np.arange(len(vals)) if idx is None else idx)
+        m = len(col) if idx is None else len(idx)
+        vals = col if idx is None else np.take(col, idx, out=scratch.take("vals", m, col.dtype))
+        if k >= m:
+            out.append(np.arange(m) if idx is None else idx)
             k = 0
             break
-        t = np.partition(vals, k - 1)[k - 1]
-        below, tied = np.flatnonzero(vals < t), np.flatnonzero(vals == t)
+        flagged = j == 0 and after is not None and bool(after.any())
+        top = np.inf if vals.dtype.kind == "f" else np.iinfo(vals.dtype).max
+        part = scratch.take("part", m, vals.dtype)
+        np.copyto(part, vals)
+        if flagged:  # flagged entries count as the dtype's top value, so they come last
+            part[after] = top
+        part.partition(k - 1)
+        t = part[k - 1]
+        mask = scratch.take("mask", m, bool)
+        np.less(vals, t, out=mask)
+        if flagged:
+            mask[after] = False
+        below = np.flatnonzero(mask)
+        np.equal(vals, t, out=mask)
+        if flagged:
+            mask[after] = t == top
+        tied = np.flatnonzero(mask)
         if idx is not None:
             below, tied = idx[below], idx[tied]
         out.append(below)
         k -= len(below)
         idx = tied
         if flagged and t == top:  # the rest come from the flagged: in their own order
-            out.append(tied[least([c[tied] for c in columns], k)])
+            out.append(tied[least([c[tied] for c in columns], k, scratch=scratch)])
             k = 0
             break
     if k > 0 and idx is not None:  # only if the last column was not unique

@@ -18,7 +18,7 @@ import numpy as np
 
 __all__ = [
     "Applied", "CompactLog", "DropSnapshotFile", "Effect", "ForgetKey", "ForgetVersions",
-    "HoldAcknowledgements", "ReleaseAcknowledgements", "RememberBlocks", "StateMachine",
+    "HoldAcknowledgements", "ReleaseAcknowledgements", "RememberBlocks", "RowsChurned", "StateMachine",
     "WriteSnapshotFile",
 ]
 
@@ -74,6 +74,14 @@ class ReleaseAcknowledgements(Effect):
 @dataclass(frozen=True)
 class CompactLog(Effect):
     """Compact the Raft log now (after a restore, so a restart does not need the file again)."""
+
+
+@dataclass(frozen=True)
+class RowsChurned(Effect):
+    """A table with a cap or a time-to-live added or evicted ``rows`` rows: its arrays grew, or
+    eviction's work arrays were freed, so the host may give free heap back
+    (``kvps.service.lifecycle.HeapTrimmer``): such a table's owner asked for bounded memory."""
+    rows: int
 
 
 @dataclass(frozen=True)

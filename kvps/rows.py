@@ -22,13 +22,14 @@ import numpy as np
 
 from kvps.initializer import splitmix64
 
-__all__ = ["EMPTY", "MAX_LOAD", "MIN_LOAD", "RowIndex", "WINDOW"]
+__all__ = ["EMPTY", "MAX_LOAD", "MIN_LOAD", "PLACE_RUN", "RowIndex", "WINDOW"]
 
 EMPTY = -1
 TOMB = -2
 _MIN_SIZE = 16
 WINDOW = 8  # positions probed per numpy pass
 _STEPS = np.arange(WINDOW, dtype=np.int64)
+PLACE_RUN = 1 << 16  # ids placed per run: (run, WINDOW) work arrays of a few MiB
 # Live + removed entries over size: past MAX_LOAD the index is rebuilt, MIN_LOAD full. Linear
 # probing's expected probes grow as 1 / (1 - load)^2 for an id not stored (a new row): 8.5 at
 # 0.75, 13 at 0.8, 50 at 0.9, so 0.75 stays the ceiling; 0.5 keeps a rebuild every 1.5x of growth.
@@ -102,7 +103,12 @@ class RowIndex:
         """Each id into the first free (EMPTY or TOMB) position of its probe sequence, so every
         position between an id's start and its own is occupied when it is placed (what ``find``
         relies on); ids wanting the same position: the first in batch order takes it, the others
-        probe on from the next one."""
+        probe on from the next one. In runs of ``PLACE_RUN`` ids, in order: a rebuild places
+        every live id, and (n, WINDOW) work arrays for 1 M of them were ~140 MiB at once."""
+        for lo in range(0, len(ids), PLACE_RUN):
+            self._place_run(ids[lo:lo + PLACE_RUN], slots[lo:lo + PLACE_RUN])
+
+    def _place_run(self, ids: np.ndarray, slots: np.ndarray) -> None:
         pos = self._start(ids)
         todo = np.arange(len(ids))
         while len(todo):

@@ -39,7 +39,7 @@ from kvps.errors import (
 )
 from kvps.machine import (
     Applied, CompactLog, DropSnapshotFile, ForgetKey, ForgetVersions, HoldAcknowledgements,
-    ReleaseAcknowledgements, RememberBlocks, WriteSnapshotFile,
+    ReleaseAcknowledgements, RememberBlocks, RowsChurned, WriteSnapshotFile,
 )
 from kvps.hyper import HyperTable
 from kvps.merge import PushRequest
@@ -246,8 +246,10 @@ class ShardState:
             return {"results": validation.rejected(cmd.pushes, bad)}
         for entry, b, block in dense:  # commit: nothing below can fail on bad input
             entry.replace_block(b, block, self._slots)
+        churned = sum(table.churned for table, _ in rows)
         for table, update in rows:
             table.commit(update)
+        churned = sum(table.churned for table, _ in rows) - churned
         results: dict[tuple[str, int], Result] = {}
         for p in cmd.pushes:
             results[(p.client, p.seq)] = {"versions": {k: self._version(k) for k in p.keys},
@@ -256,8 +258,8 @@ class ShardState:
         if self.dedup:
             self._applied.record([(p.client, p.seq, p.floor, results[(p.client, p.seq)])
                                   for p in cmd.pushes], now)
-        return Applied({"results": results},
-                       tuple(e for k, b, blk in dense for e in _remember(k.key, [(b, blk)])))
+        effects = tuple(e for k, b, blk in dense for e in _remember(k.key, [(b, blk)]))
+        return Applied({"results": results}, effects + ((RowsChurned(churned),) if churned else ()))
 
     def check_push(self, req: PushRequest, nonfinite: str = "reject") -> KvpsError | None:
         """The leader's pre-check of a push (``kvps.validation``)."""

@@ -27,7 +27,9 @@ import numpy as np
 from kvps.command import CreateTable
 from kvps.errors import KvpsError, ShapeMismatch
 from kvps.initializer import Initializer, initializer_from_dict
-from kvps.lifecycle import CountAdmission, Lifecycle, Pending, ProbabilityAdmission, least, lifecycle_from_dict
+from kvps.lifecycle import (
+    CountAdmission, Lifecycle, Pending, ProbabilityAdmission, Scratch, least, lifecycle_from_dict,
+)
 from kvps.optimizer import Optimizer, fitted_state, optimizer_from_dict
 from kvps.record import INDEX_BYTES, RecordLayout, far_ids, id_dtype, version_dtype
 from kvps.rows import RowIndex
@@ -84,6 +86,9 @@ class Table:
         self.far = 0  # stored ids outside [0, 2**32): the ids column is int64 while there are any
         self.max_version = 0  # the versions (and steps) column is int64 once this passes 2**32 - 1
         self.floor = 0  # the version of rows not stored (moves past every evicted row's)
+        self._scratch = Scratch()  # eviction's work arrays, kept (not state)
+        # rows a capped (or expiring) table added or evicted since this process built it (not state)
+        self.churned = 0
         self._allocate(0)
 
     def definition(self) -> dict:
@@ -152,6 +157,8 @@ class Table:
         cap = self.lifecycle.cap if self.lifecycle is not None else None
         if cap is not None:  # a capped table never holds more than its cap between pushes
             new_capacity = max(needed, min(new_capacity, cap))
+            if 2 * new_capacity >= cap:  # once halfway, the cap at once: pages untouched cost no
+                new_capacity = max(needed, cap)  # memory, and no later growth holds old + new
         old = self._columns()
         self._allocate(new_capacity)
         for new, arr in zip(self._columns(), old):
@@ -282,6 +289,8 @@ class Table:
         self.ids[slots] = update.ids[new]
         self.index.insert(update.ids[new], slots, self.ids)
         self.n += len(new)
+        if self.lifecycle is not None:
+            self.churned += len(new)
         if self.count is not None:
             self.count[slots] = 0  # a reused slot may hold an evicted row's count
         self._write(update, new, slots)
@@ -314,25 +323,29 @@ class Table:
         life = self.lifecycle
         if life is None:
             return
-        n = self.n
+        n, scratch = self.n, self._scratch
         gone = np.zeros(0, dtype=np.int64)
         if life.ttl_s is not None and n:
-            gone = np.flatnonzero(now - self.last[:n] > life.ttl_s)
+            idle = np.subtract(now, self.last[:n], out=scratch.take("idle", n, np.float64))
+            gone = np.flatnonzero(np.greater(idle, life.ttl_s, out=scratch.take("expired", n, bool)))
         over = n + incoming - len(gone) - (life.cap if life.cap is not None else n + incoming)
         over = min(over, n - len(gone) - len(pushed)) if incoming else over  # new rows are not here yet
         if over > 0:
-            fresh = np.zeros(n, dtype=bool)
+            fresh = scratch.take("fresh", n, bool)
+            fresh[:] = False
             fresh[pushed] = True
             cols = [self.last[:n], self.ids[:n]]  # views: no copy of the rows' columns
             if life.evict == "lfu":
                 cols.insert(0, self.count[:n])
             if len(gone):  # candidates: the rows the time-to-live left
-                alive = np.ones(n, dtype=bool)
+                alive = scratch.take("alive", n, bool)
+                alive[:] = True
                 alive[gone] = False
                 cand = np.flatnonzero(alive)
-                gone = np.sort(np.concatenate([gone, cand[least([c[cand] for c in cols], over, fresh[cand])]]))
+                chosen = least([c[cand] for c in cols], over, fresh[cand], scratch)
+                gone = np.sort(np.concatenate([gone, cand[chosen]]))
             else:
-                gone = least(cols, over, fresh)
+                gone = least(cols, over, fresh, scratch)
         if len(gone):
             self.evict(gone)
 
@@ -344,6 +357,7 @@ class Table:
         _, where = self.index.find(self.ids[gone], self.ids)
         self.index.remove(where)
         n_after = self.n - len(gone)
+        self.churned += len(gone)
         holes = gone[gone < n_after]  # slots to fill
         tail = np.setdiff1d(np.arange(n_after, self.n), gone, assume_unique=True)  # rows to move
         if len(holes):

@@ -6,8 +6,9 @@ state is guarded by one lock: changes go through ``apply`` (the state machine's 
 blocks are immutable arrays, so a read may keep what it got and encode it outside the lock.
 
 The host performs the effects a command asks for, in order, before the next entry applies: it
-keeps recent block versions itself (``BlockHistory``, for exact deltas in pulls) and hands every
-other effect (snapshot files, held acknowledgements, log compaction) to ``perform``.
+keeps recent block versions itself (``BlockHistory``, for exact deltas in pulls), gives free heap
+back when a capped table grew or evicted (``HeapTrimmer``) and hands every other effect (snapshot files, held
+acknowledgements, log compaction) to ``perform``.
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvps.command import Command, SnapshotStep
-from kvps.machine import Applied, Effect, ForgetKey, ForgetVersions, RememberBlocks
+from kvps.machine import Applied, Effect, ForgetKey, ForgetVersions, RememberBlocks, RowsChurned
 from kvps.replica.history import BlockHistory
+from kvps.service.lifecycle import HeapTrimmer, heap_trimmer
 from kvps.shard import ShardState
 
 __all__ = ["StateHost"]
@@ -29,12 +31,13 @@ T = TypeVar("T")
 
 class StateHost:
     def __init__(self, state: ShardState, *, history: Callable[[], BlockHistory],
-                 perform: Callable[[Effect], None]) -> None:
+                 perform: Callable[[Effect], None], heap: HeapTrimmer = heap_trimmer) -> None:
         self._lock = threading.Lock()
         self._state = state
         self._new_history = history
         self._history = history()
         self._perform = perform
+        self._heap = heap
 
     def lookup(self, fn: Callable[[ShardState], T]) -> T:
         """``fn(state)`` under the lock (a read: ``fn`` must not change the state)."""
@@ -71,6 +74,8 @@ class StateHost:
                 self._history.drop_key(effect.key)
             elif isinstance(effect, ForgetVersions):
                 self._history = self._new_history()
+            elif isinstance(effect, RowsChurned):  # a capped table grew or evicted
+                self._heap.maybe_trim()
             else:
                 self._perform(effect)
         return applied.result

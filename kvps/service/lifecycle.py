@@ -11,8 +11,8 @@ import signal
 import sys
 import time
 
-__all__ = ["GC_THRESHOLDS", "GcClock", "GcCollector", "MALLOC_SETTINGS", "freeze_heap", "gc_clock", "setup_logging",
-           "stop_event", "tune_for_replicas"]
+__all__ = ["GC_THRESHOLDS", "GcClock", "GcCollector", "HeapTrimmer", "MALLOC_SETTINGS", "freeze_heap", "gc_clock",
+           "heap_trimmer", "setup_logging", "stop_event", "tune_for_replicas"]
 
 # glibc returns every freed MB-sized buffer to the kernel (mmap threshold) and page-faults it
 # back on the next command; keeping them in the heap cut the leader's CPU per committed GiB by
@@ -30,6 +30,53 @@ _MALLOPT = {"TRIM_THRESHOLD": -1, "TOP_PAD": -2, "MMAP_THRESHOLD": -3}  # <mallo
 GC_THRESHOLDS = (50_000, 20, 100)
 
 log = logging.getLogger("kvps.service")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                 "fordblks", "keepcost")]
+
+
+class HeapTrimmer:
+    """Gives free heap pages back to the kernel once more than ``budget`` bytes of the heap are
+    free, at most once per ``period`` seconds. The malloc settings above keep up to 128 MiB of freed
+    heap on purpose (recycled push buffers); a capped table growing toward its cap, and then
+    evicting on every push, frees row-sized arrays, and that kept heap put a replica's RSS
+    60-120 MiB past the cap's bytes. Called only where a table with a cap or a time-to-live
+    added or evicted rows (``RowsChurned``): other processes never trim (glibc only)."""
+
+    def __init__(self, budget: int = 64 << 20, period: float = 1.0) -> None:
+        self.budget, self.period = budget, period
+        self.trims = 0
+        self._next = 0.0
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            self._info, self._trim = libc.mallinfo2, libc.malloc_trim
+        except (OSError, AttributeError):
+            self._info = self._trim = None
+        else:
+            self._info.restype = _MallInfo2
+            self._trim.argtypes = [ctypes.c_size_t]
+
+    def free_bytes(self) -> int:
+        """Bytes of the main heap and arenas that are free (0 off glibc)."""
+        return int(self._info().fordblks) if self._info is not None else 0
+
+    def maybe_trim(self) -> bool:
+        """Trim if the period has passed and more than ``budget`` bytes are free; whether it did."""
+        now = time.monotonic()
+        if self._info is None or now < self._next:
+            return False
+        self._next = now + self.period
+        if self.free_bytes() <= self.budget:
+            return False
+        self._trim(MALLOC_SETTINGS["TOP_PAD"])
+        self.trims += 1
+        return True
+
+
+heap_trimmer = HeapTrimmer()  # the process's
 
 
 class GcClock:

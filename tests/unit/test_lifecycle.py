@@ -9,7 +9,8 @@ import pytest
 import kvps_client as kc
 from kvps.command import CreateTable, Push, PushId, RowDelta, decode_command
 from kvps.errors import CapacityExceeded, InvalidRequest, Unavailable
-from kvps.lifecycle import least, lifecycle_from_dict
+from kvps.lifecycle import Scratch, least, lifecycle_from_dict
+from kvps.machine import RowsChurned
 from kvps.rows import RowIndex
 from kvps.shard import ShardState
 
@@ -64,6 +65,19 @@ def test_row_index_agrees_with_a_dict_through_inserts_removals_and_moves():
     assert index.live == len(model)
 
 
+def test_row_index_places_a_batch_in_runs_and_finds_every_id(monkeypatch):
+    import kvps.rows
+    monkeypatch.setattr(kvps.rows, "PLACE_RUN", 7)  # many runs, ids of a run colliding with earlier runs'
+    rng = np.random.default_rng(3)
+    keys = rng.choice(10**9, 500, replace=False).astype(np.int64)
+    index = RowIndex()
+    index.insert(keys[:300], np.arange(300, dtype=np.int64), keys)
+    index.rebuild(keys, 300)  # the rebuild places every live id again, in runs
+    index.insert(keys[300:], np.arange(300, 500, dtype=np.int64), keys)
+    got, _ = index.find(np.concatenate([keys, keys + 1]), keys)
+    assert got.tolist() == list(range(500)) + [-1] * 500
+
+
 def test_least_is_the_lexicographic_order():
     rng = np.random.default_rng(1)
     for _ in range(50):
@@ -75,6 +89,43 @@ def test_least_is_the_lexicographic_order():
         after = rng.random(n) < 0.3  # flagged entries (rows of the push) go last, in their own order
         want = sorted(sorted(range(n), key=lambda i: (after[i], a[i], b[i], ids[i]))[:k])
         assert least([a, b, ids], k, after).tolist() == want
+
+
+def test_least_with_kept_work_arrays_matches_fresh_ones_and_reads_columns_only():
+    rng = np.random.default_rng(2)
+    scratch = Scratch()
+    for _ in range(60):  # sizes up and down: buffers are reused, grown, and sliced
+        n = int(rng.integers(1, 300))
+        cols = [rng.integers(0, 4, n), rng.integers(0, 3, n).astype(float), rng.permutation(n)]
+        before = [c.copy() for c in cols]
+        k = int(rng.integers(0, n + 1))
+        after = rng.random(n) < 0.3
+        assert least(cols, k, after, scratch).tolist() == least(cols, k, after).tolist()
+        assert least(cols, k, None, scratch).tolist() == least(cols, k).tolist()
+        assert all((c == b).all() for c, b in zip(cols, before))  # columns are never written
+    assert 0 < scratch.nbytes < 10 * 300 * 8  # a few row-sized buffers, not one per call
+
+
+def test_a_capped_table_that_grows_or_evicts_says_so_and_others_do_not():
+    capped, free = _table({"max_rows": 300, "shards": 1, "evict": "lru"}), _table(None)
+    cmd = lambda seq, ids: decode_command(Push(float(seq), (PushId("c", seq, seq, ("e",)),), (), (  # noqa: E731
+        RowDelta("e", np.asarray(ids, np.int64), np.ones((len(ids), 2)), np.ones(len(ids), np.int64)),)).to_bytes())
+    churn = lambda applied: [e.rows for e in applied.effects if isinstance(e, RowsChurned)]  # noqa: E731
+    assert churn(capped.apply(cmd(1, range(200)))) == [200]  # 200 rows added
+    assert churn(capped.apply(cmd(2, range(200)))) == []  # the same rows again: nothing added
+    assert churn(capped.apply(cmd(3, range(200, 400)))) == [300]  # 200 added, 100 evicted
+    assert churn(free.apply(cmd(1, range(200)))) == []  # no cap: no reason to trim
+
+
+def test_a_capped_table_takes_its_cap_once_halfway_there():
+    """Growing 1.25x at a time to the cap held old and new arrays together five more times; the
+    cap at once costs nothing for the pages not written yet."""
+    s = _table({"max_rows": 1000, "shards": 1, "evict": "lru"})
+    capacities = []
+    for q in range(12):  # 100 new rows per push
+        _push(s, q + 1, np.arange(q * 100, (q + 1) * 100))
+        capacities.append(len(s._keys["e"].ids))
+    assert capacities == [100, 200, 300, 400] + [1000] * 8
 
 
 def test_capacity_exceeded_changes_nothing_and_is_typed():
