@@ -63,16 +63,21 @@ class Embedding(nn.Module):
     With a ``SyncClient`` a forward pass pulls the rows it lacks and ``prefetch``/``push`` block;
     with an asyncio ``Client`` they are coroutines and ``await emb.prefetch(ids, ...)`` must
     bring every id the next forward passes look up. Inside a ``PSModule`` the module's
-    ``push()`` pushes the rows. ``dtype=torch.bfloat16`` keeps a float32 table (exact widening)."""
+    ``push()`` pushes the rows. ``dtype=torch.bfloat16`` keeps a float32 table (exact widening).
+    ``clip_norm``, ``max_rows``, ``evict``, ``ttl_s``, ``admit``: as ``Client.create_table``
+    (README, "Row lifecycle"); a row the server evicted reads as its initializer again."""
 
     def __init__(self, client: Client | SyncClient, key: str, dim: int, *, optimizer: Any = None,
-                 init: Any = None, dtype: torch.dtype = torch.float32, merge: str = "sum") -> None:
+                 init: Any = None, dtype: torch.dtype = torch.float32, merge: str = "sum",
+                 clip_norm: float | None = None, max_rows: int | None = None, evict: str = "lru",
+                 ttl_s: float | None = None, admit: Any = None) -> None:
         super().__init__()
         self._sync = client if isinstance(client, SyncClient) else None
         self._aclient: Client = client._client if isinstance(client, SyncClient) else client
         self.key, self.dim, self.dtype = key, int(dim), dtype
         self._table = {"dtype": table_dtype(str(dtype).removeprefix("torch.")), "optimizer": optimizer,
-                       "init": init, "merge": merge}
+                       "init": init, "merge": merge, "clip_norm": clip_norm, "max_rows": max_rows,
+                       "evict": evict, "ttl_s": ttl_s, "admit": admit}
         # Moves with .to(device): tells forward where the rows must go.
         self.register_buffer("_where", torch.empty(0, dtype=dtype), persistent=False)
         self._created = False

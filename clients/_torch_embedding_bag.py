@@ -35,7 +35,7 @@ from ._torch_embedding import Embedding
 __all__ = ["EmbeddingBagCollection"]
 
 _MODES = ("sum", "mean")
-_TABLE_ARGS = ("optimizer", "init", "dtype", "merge")
+_TABLE_ARGS = ("optimizer", "init", "dtype", "merge", "clip_norm", "max_rows", "evict", "ttl_s", "admit")
 
 
 def _pool(rows: torch.Tensor, offsets: torch.Tensor, mode: str) -> torch.Tensor:
@@ -55,7 +55,8 @@ def _pool(rows: torch.Tensor, offsets: torch.Tensor, mode: str) -> torch.Tensor:
 class EmbeddingBagCollection(nn.Module):
     """Pooled embeddings of several features: ``tables`` maps a feature to its table spec, a dim
     or a dict ``{"dim", "table" (default: the feature's name), "optimizer", "init", "dtype",
-    "merge"}``; features naming the same table share its rows. ``forward({feature: (ids,
+    "merge"}`` and the lifecycle options ``"clip_norm", "max_rows", "evict", "ttl_s", "admit"``
+    (``Client.create_table``); features naming the same table share its rows. ``forward({feature: (ids,
     offsets)})`` returns ``{feature: (bags, dim)}``. With an asyncio ``Client``, ``prefetch``
     must be called from the loop, and ``await ebc.wait()`` before the forward that uses it."""
 

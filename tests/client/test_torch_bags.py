@@ -17,12 +17,12 @@ from conftest import module_cluster
 from kvps_client.torch import EmbeddingBagCollection, SyncPSModule
 
 pytestmark = pytest.mark.cluster
-SEED, USERS, ITEMS, DIM, LR = 11, 20, 30, 4, 0.5
+SEED, USERS, ITEMS, DIM, LR, SHARDS = 11, 20, 30, 4, 0.5, 3
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    yield from module_cluster(tmp_path_factory, "bags", shards=3)
+    yield from module_cluster(tmp_path_factory, "bags", shards=SHARDS)
 
 
 def specs(prefix: str, lr: float = LR) -> dict:
@@ -164,3 +164,22 @@ def test_asyncio_client_prefetch_then_wait(cluster):
     for f in out:
         torch.testing.assert_close(out[f], want[f], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(items_after, items_want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_table_spec_with_lifecycle_options_creates_a_capped_table(cluster):
+    """``max_rows``/``evict``/``clip_norm`` in a spec reach ``create_table``: the server keeps at most
+    the cap (per shard, ceil(cap / shards)), and a pushed row past it evicts the least recent."""
+    prefix, cap = "bags-capped/", 6
+    table = {"dim": DIM, "optimizer": kc.SGD(lr=LR), "init": kc.Normal(std=0.3, seed=SEED),
+             "max_rows": cap, "evict": "lru", "clip_norm": 10.0}
+    with kc.SyncClient(cluster.endpoints, token=cluster.token, seed=0) as ps:
+        ebc = EmbeddingBagCollection(ps, {"item": {**table, "table": prefix + "items"}}, mode="sum")
+        for step in range(4):  # 4 x 8 distinct ids, one bag each
+            ids = torch.arange(step * 8, (step + 1) * 8)
+            ebc({"item": (ids, torch.arange(8))})["item"].sum().backward()
+            ebc.push()
+        info = next(i for i in ps.keys() if i["key"] == prefix + "items")
+        assert info["rows"] <= SHARDS * -(-cap // SHARDS), info  # 32 pushed, the cap kept
+        assert info["rows"] >= cap - SHARDS, info
+        init = kc.Normal(std=0.3, seed=SEED).rows(np.arange(8), DIM, np.float32)  # the first 8: evicted
+        np.testing.assert_allclose(ps.pull_rows(prefix + "items", np.arange(8)), init, rtol=1e-6)
