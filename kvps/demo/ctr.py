@@ -33,19 +33,24 @@ TABLES = {"user": "ctr/users", "item": "ctr/items"}
 
 @dataclass(frozen=True)
 class CtrConfig:
-    users: int = 500
-    items: int = 1000
+    users: int = 200
+    items: int = 400
     truth_dim: int = 8       # the hidden vectors' dimension
     dim: int = 16            # the model's embedding dimension
-    train: int = 40_000      # impressions
+    train: int = 60_000      # impressions
     test: int = 5_000
     batch: int = 256
-    epochs: int = 3
+    epochs: int = 5
     emb_lr: float = 0.2      # row-wise Adagrad on the tables
     mlp_lr: float = 0.05     # Adagrad on the MLP
     workers: int = 3
     staleness: int | None = 4
     seed: int = 0
+
+    def table_spec(self, feature: str) -> dict:
+        """The kvps table spec of ``feature`` ("user" or "item")."""
+        return {"table": TABLES[feature], "dim": self.dim, "optimizer": self.row_optimizer(),
+                "init": self.init(feature)}
 
     def total_steps(self) -> int:
         return sum(1 for r in range(self.workers) for _ in batches(self, r, self.workers))
@@ -194,9 +199,7 @@ def ctr_worker(rank: int, cfg: CtrConfig, train_npz: str, endpoints: list[str], 
     if not go.wait(timeout=300):
         return
     with kc.SyncClient(endpoints, token=token, seed=cfg.seed * 10 + rank, timeout=120) as ps:
-        specs = {f: {"table": TABLES[f], "dim": cfg.dim, "optimizer": cfg.row_optimizer(), "init": cfg.init(f)}
-                 for f in TABLES}
-        model = make_model(cfg, EmbeddingBagCollection(ps, specs))
+        model = make_model(cfg, EmbeddingBagCollection(ps, {f: cfg.table_spec(f) for f in TABLES}))
         pm = SyncPSModule(model, ps, prefix=PREFIX, optimizer=kc.Adagrad(lr=cfg.mlp_lr),
                           max_staleness=cfg.staleness, job="demo-ctr", worker=f"worker-{rank}",
                           workers=cfg.workers, lease_s=30.0)

@@ -32,21 +32,23 @@ TOLERANCE = 0.02  # AUC the faulty distributed run may lose against the baseline
 QUICK_TOLERANCE = 0.05  # ~60 steps: an under-trained model moves more with stale gradients
 
 
-def _final_state(cluster: LocalCluster, cfg: CtrConfig, data: CtrData) -> tuple[int, dict[str, int], float]:
-    """(counter, {MLP key: version}, test AUC of the parameters and rows on the server)."""
+def _final_state(cluster: LocalCluster, cfg: CtrConfig,
+                 data: CtrData) -> tuple[int, dict[str, int], float, dict[str, int]]:
+    """(counter, {MLP key: version}, test AUC of the parameters and rows on the server, {table:
+    rows stored})."""
     import kvps_client as kc
     from kvps_client.torch import EmbeddingBagCollection, SyncPSModule
 
     with kc.SyncClient(cluster.endpoints, token=cluster.token, seed=cfg.seed) as ps:
         counter, _ = ps.get(COUNTER, consistency="linearizable")
-        specs = {f: {"table": TABLES[f], "dim": cfg.dim, "optimizer": cfg.row_optimizer(), "init": cfg.init(f)}
-                 for f in TABLES}
+        specs = {f: cfg.table_spec(f) for f in TABLES}
         model = make_model(replace(cfg, seed=cfg.seed + 1), EmbeddingBagCollection(ps, specs))
         pm = SyncPSModule(model, ps, prefix=PREFIX, optimizer=kc.Adagrad(lr=cfg.mlp_lr))
         pm.pull()  # the server's MLP over these other initial weights; rows pulled by forward
         versions = {key: ps.describe(key, refresh=True)["version"] for key in pm.keys.values()}
         score = auc(predict(model, data[3], data[4]), data[5])
-    return int(counter[0]), versions, score
+        rows = {info["key"]: int(info["rows"]) for info in ps.keys() if info["key"] in TABLES.values()}
+    return int(counter[0]), versions, score, rows
 
 
 def main(out: Path = Path("demo-out"), seed: int = 0, quick: bool = False,
@@ -78,11 +80,12 @@ def main(out: Path = Path("demo-out"), seed: int = 0, quick: bool = False,
             ps.create(COUNTER, np.zeros(1, np.float64))
         run = _train(cluster, workers, cfg, cfg.total_steps(), deadline_s=60 if quick else 300)
         wait_until(cluster.ready, 60, "every shard to serve")
-        counter, versions, score = _final_state(cluster, cfg, data)
+        counter, versions, score, rows = _final_state(cluster, cfg, data)
         print("stopping the cluster ...", flush=True)
         with ThreadPoolExecutor(len(cluster.cfg.nodes)) as pool:
             list(pool.map(cluster.stop_node, [n.id for n in cluster.cfg.nodes]))
     summary = _summary(cfg, run, counter, versions, score, base_auc, truth, quick, time.monotonic() - started)
+    summary["table_rows"] = rows
     _plot(out / "loss.png", run, base_losses, window=15 if quick else 45,
           title="kvps demo: CTR model (embeddings in kvps tables) while every shard's leader is killed")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -114,6 +117,8 @@ def _print_summary(s: dict, out: Path) -> None:
     for k in s["kills"]:
         print(f"kill -9 leader of shard {k['shard']} (node {k['node']}) at step {k['step']}: serving again "
               f"after {k['serving_after']:.2f} s, next step acknowledged after {k['next_step_after'] or 0:.2f} s")
+    rows = ", ".join(f"{table} {n:,}" for table, n in sorted(s.get("table_rows", {}).items()))
+    print(f"rows stored: {rows}")
     print(f"test AUC: {s['auc']:.4f} with kvps and faults vs {s['baseline_auc']:.4f} in one process without "
           f"faults ({s['auc'] - s['baseline_auc']:+.4f}; allowed -{s['tolerance']}); truth {s['truth_auc']:.4f}")
     print(f"loss curve: {out / 'loss.png'}   summary: {out / 'summary.json'}   elapsed: {s['elapsed_s']:.0f} s")
