@@ -8,6 +8,7 @@ included; each subcommand's body lives with what it runs (``kvps.node.main``,
     kvps node --config cluster.toml --id ID
     kvps status [--endpoint URL] [--json]
     kvps demo [--task digits|ctr] [--out DIR] [--seed N] [--quick] [--staleness S|none]
+              [--max-rows-fraction F] [--evict lru|lfu]
     kvps chaos ...   (kvps_chaos.cli)
     kvps bench ...   (kvps.bench.cli)
 """
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 from kvps.config import FSYNC_POLICIES, RaftConfig, ServerConfig
-from kvps.errors import KvpsError
+from kvps.errors import InvalidRequest, KvpsError
 from kvps.service.lifecycle import setup_logging
 
 __all__ = ["build_parser", "main"]
@@ -161,7 +162,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true", help="3 epochs on 2 shards (a smoke test)")
     demo.add_argument("--staleness", default=4, type=_staleness,
                       help="SSP bound in steps; 0 = synchronous (BSP), 'none' = asynchronous")
+    demo.add_argument("--max-rows-fraction", type=_fraction, default=None, metavar="F",
+                      help="--task ctr: cap each table at F of the distinct ids it is trained on "
+                           "(rows past the cap are evicted; the baseline stays unbounded)")
+    demo.add_argument("--evict", choices=("lru", "lfu"), default="lfu",
+                      help="--task ctr with --max-rows-fraction: which rows the cap evicts first")
     return p
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError("a fraction in (0, 1]")
+    return value
 
 
 def _staleness(text: str) -> int | None:
@@ -236,9 +252,13 @@ def main(argv: list[str] | None = None) -> int:
             return bench_main(args.args)
         elif args.command == "demo":
             if args.task == "ctr":
-                from kvps.demo.ctr_run import main as demo_main
-            else:
-                from kvps.demo.run import main as demo_main
+                from kvps.demo.ctr_run import main as ctr_main
+                return ctr_main(out=Path(args.out), seed=args.seed, quick=args.quick,
+                                staleness=args.staleness, max_rows_fraction=args.max_rows_fraction,
+                                evict=args.evict)
+            if args.max_rows_fraction is not None:
+                raise InvalidRequest("--max-rows-fraction is an option of --task ctr", field="max_rows_fraction")
+            from kvps.demo.run import main as demo_main
             return demo_main(out=Path(args.out), seed=args.seed, quick=args.quick,
                              staleness=args.staleness)
     except KvpsError as exc:

@@ -1,8 +1,9 @@
 """The ``--task ctr`` training task: click-through prediction on synthetic clicks from a known truth.
 
 Truth (seeded): every user and item has a hidden vector and every item a bias; a user clicks an
-item with probability ``sigmoid(2 <u, v> + b_item - 1)``. Impressions pair a uniform user with a
-popular-first (Zipf) item. The model learns its own user and item embeddings (kvps tables,
+item with probability ``sigmoid(2 <u, v> + b_item - 1)``. Impressions pair a user and an item,
+each drawn popular-first (Zipf 1.2 over 10,000 users and 4,000 items: a long tail of ids seen a
+few times, as in recommendation data; ``caps`` bound the tables at a fraction of them). The model learns its own user and item embeddings (kvps tables,
 row-wise Adagrad, pooled by ``EmbeddingBagCollection``: one id per bag here) and an MLP over
 ``[u, v, u * v]`` (a ``PSModule``, Adagrad on the server). The baseline trains the same model on
 the same batches in one process: the same initial rows (the tables' initializer is a pure
@@ -24,7 +25,7 @@ from kvps.initializer import Normal
 from kvps.optimizer import RowWiseAdagrad
 
 __all__ = ["CtrConfig", "CtrData", "CtrModel", "LocalBags", "QUICK", "auc", "baseline", "batches",
-           "click_probability", "ctr_worker", "make_data", "make_model", "predict"]
+           "click_probability", "ctr_worker", "distinct_ids", "make_data", "make_model", "predict"]
 
 PREFIX = "ctr/"
 COUNTER = "demo/ctr-steps"  # Add counter: +1 per acknowledged step (exactly-once check)
@@ -33,8 +34,9 @@ TABLES = {"user": "ctr/users", "item": "ctr/items"}
 
 @dataclass(frozen=True)
 class CtrConfig:
-    users: int = 200
-    items: int = 400
+    users: int = 10_000
+    items: int = 4_000
+    zipf: float = 1.2        # users and items are drawn popular-first: p(rank r) ~ r ** -zipf
     truth_dim: int = 8       # the hidden vectors' dimension
     dim: int = 16            # the model's embedding dimension
     train: int = 60_000      # impressions
@@ -46,11 +48,16 @@ class CtrConfig:
     workers: int = 3
     staleness: int | None = 4
     seed: int = 0
+    caps: tuple[int, int] | None = None  # max_rows of the user and item tables (None: unbounded)
+    evict: str = "lfu"
 
     def table_spec(self, feature: str) -> dict:
-        """The kvps table spec of ``feature`` ("user" or "item")."""
-        return {"table": TABLES[feature], "dim": self.dim, "optimizer": self.row_optimizer(),
+        """The kvps table spec of ``feature`` ("user" or "item"), its cap included."""
+        spec = {"table": TABLES[feature], "dim": self.dim, "optimizer": self.row_optimizer(),
                 "init": self.init(feature)}
+        if self.caps is not None:
+            spec.update(max_rows=self.caps[0 if feature == "user" else 1], evict=self.evict)
+        return spec
 
     def total_steps(self) -> int:
         return sum(1 for r in range(self.workers) for _ in batches(self, r, self.workers))
@@ -62,7 +69,7 @@ class CtrConfig:
         return Normal(std=0.1, seed=self.seed * 10 + (1 if table == "user" else 2))
 
 
-QUICK = CtrConfig(users=200, items=400, train=8000, test=3000, epochs=2)  # ~60 steps: a smoke test
+QUICK = CtrConfig(users=200, items=400, zipf=0.8, train=8000, test=3000, epochs=2)  # ~60 steps: a smoke test
 
 CtrData = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 # users_train, items_train, clicks_train, users_test, items_test, clicks_test
@@ -82,12 +89,21 @@ def click_probability(cfg: CtrConfig, users: np.ndarray, items: np.ndarray) -> n
     return 1.0 / (1.0 + np.exp(-(2.0 * (u[users] * v[items]).sum(1) + bias[items] - 1.0)))
 
 
+def _popularity(count: int, zipf: float) -> np.ndarray:
+    weights = 1.0 / np.arange(1, count + 1) ** zipf
+    return weights / weights.sum()
+
+
+def distinct_ids(data: CtrData) -> tuple[int, int]:
+    """Distinct users and items in the training impressions (what a cap is a fraction of)."""
+    return len(np.unique(data[0])), len(np.unique(data[1]))
+
+
 def make_data(cfg: CtrConfig) -> CtrData:
     rng = np.random.default_rng([cfg.seed, 8])
-    popularity = 1.0 / np.arange(1, cfg.items + 1) ** 0.8
     n = cfg.train + cfg.test
-    users = rng.integers(0, cfg.users, n).astype(np.int64)
-    items = rng.choice(cfg.items, size=n, p=popularity / popularity.sum()).astype(np.int64)
+    users, items = (rng.choice(count, size=n, p=_popularity(count, cfg.zipf)).astype(np.int64)
+                    for count in (cfg.users, cfg.items))
     clicks = (rng.random(n) < click_probability(cfg, users, items)).astype(np.float32)
     t = cfg.train
     return users[:t], items[:t], clicks[:t], users[t:], items[t:], clicks[t:]

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvps.demo.ctr import (
     COUNTER, PREFIX, QUICK, TABLES, CtrConfig, CtrData, auc, baseline, click_probability, ctr_worker,
-    make_data, make_model, predict,
+    distinct_ids, make_data, make_model, predict,
 )
 from kvps.demo.run import Run, Workers, _plot, _train
 from kvps.node.local import LocalCluster, wait_until
@@ -52,18 +52,25 @@ def _final_state(cluster: LocalCluster, cfg: CtrConfig,
 
 
 def main(out: Path = Path("demo-out"), seed: int = 0, quick: bool = False,
-         staleness: int | None = 4) -> int:
-    cfg = replace(QUICK if quick else CtrConfig(), seed=seed, staleness=staleness)
+         staleness: int | None = 4, max_rows_fraction: float | None = None, evict: str = "lfu") -> int:
+    cfg = replace(QUICK if quick else CtrConfig(), seed=seed, staleness=staleness, evict=evict)
     shards = 2 if quick else 4
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     data = make_data(cfg)
+    distinct = distinct_ids(data)
+    if max_rows_fraction is not None:
+        cfg = replace(cfg, caps=tuple(max(1, int(n * max_rows_fraction)) for n in distinct))
     truth = auc(click_probability(cfg, data[3], data[4]), data[5])
     print(f"training a CTR model (user and item embeddings of {cfg.dim} in kvps tables, row-wise Adagrad; "
           f"an MLP 48-32-1, Adagrad) on {cfg.train:,} synthetic impressions ({cfg.users} users, "
           f"{cfg.items} items): {cfg.workers} workers, {cfg.epochs} epochs, batch {cfg.batch}, "
           f"{'asynchronous' if staleness is None else f'bounded staleness {staleness}'}", flush=True)
+    if cfg.caps is not None:
+        print(f"tables capped at {max_rows_fraction:g} of the distinct ids trained on: users {cfg.caps[0]:,} "
+              f"of {distinct[0]:,}, items {cfg.caps[1]:,} of {distinct[1]:,} ({evict} eviction); the "
+              "baseline is unbounded", flush=True)
     arrays = {"users": data[0], "items": data[1], "clicks": data[2]}
     with tempfile.TemporaryDirectory(prefix="kvps-demo-") as tmp, \
             LocalCluster(Path(tmp), nodes=3, shards=shards) as cluster, \
@@ -85,7 +92,8 @@ def main(out: Path = Path("demo-out"), seed: int = 0, quick: bool = False,
         with ThreadPoolExecutor(len(cluster.cfg.nodes)) as pool:
             list(pool.map(cluster.stop_node, [n.id for n in cluster.cfg.nodes]))
     summary = _summary(cfg, run, counter, versions, score, base_auc, truth, quick, time.monotonic() - started)
-    summary["table_rows"] = rows
+    summary.update(table_rows=rows, distinct_ids=dict(zip(("user", "item"), distinct)),
+                   max_rows_fraction=max_rows_fraction)
     _plot(out / "loss.png", run, base_losses, window=15 if quick else 45,
           title="kvps demo: CTR model (embeddings in kvps tables) while every shard's leader is killed")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -118,7 +126,8 @@ def _print_summary(s: dict, out: Path) -> None:
         print(f"kill -9 leader of shard {k['shard']} (node {k['node']}) at step {k['step']}: serving again "
               f"after {k['serving_after']:.2f} s, next step acknowledged after {k['next_step_after'] or 0:.2f} s")
     rows = ", ".join(f"{table} {n:,}" for table, n in sorted(s.get("table_rows", {}).items()))
-    print(f"rows stored: {rows}")
+    cap = s.get("max_rows_fraction")
+    print(f"rows stored: {rows}" + (f" (capped at {cap:g} of the distinct ids)" if cap is not None else ""))
     print(f"test AUC: {s['auc']:.4f} with kvps and faults vs {s['baseline_auc']:.4f} in one process without "
           f"faults ({s['auc'] - s['baseline_auc']:+.4f}; allowed -{s['tolerance']}); truth {s['truth_auc']:.4f}")
     print(f"loss curve: {out / 'loss.png'}   summary: {out / 'summary.json'}   elapsed: {s['elapsed_s']:.0f} s")
