@@ -8,7 +8,7 @@ included; each subcommand's body lives with what it runs (``kvps.node.main``,
     kvps node --config cluster.toml --id ID
     kvps status [--endpoint URL] [--json]
     kvps demo [--task digits|ctr] [--out DIR] [--seed N] [--quick] [--staleness S|none]
-              [--max-rows-fraction F] [--evict lru|lfu]
+              [--max-rows-fraction F] [--evict lru|lfu] [--no-faults]
     kvps chaos ...   (kvps_chaos.cli)
     kvps bench ...   (kvps.bench.cli)
 """
@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(rows past the cap are evicted; the baseline stays unbounded)")
     demo.add_argument("--evict", choices=("lru", "lfu"), default="lfu",
                       help="--task ctr with --max-rows-fraction: which rows the cap evicts first")
+    demo.add_argument("--no-faults", dest="faults", action="store_false",
+                      help="--task ctr: kill no leader (the same run without faults, to compare)")
     return p
 
 
@@ -255,9 +257,10 @@ def main(argv: list[str] | None = None) -> int:
                 from kvps.demo.ctr_run import main as ctr_main
                 return ctr_main(out=Path(args.out), seed=args.seed, quick=args.quick,
                                 staleness=args.staleness, max_rows_fraction=args.max_rows_fraction,
-                                evict=args.evict)
-            if args.max_rows_fraction is not None:
-                raise InvalidRequest("--max-rows-fraction is an option of --task ctr", field="max_rows_fraction")
+                                evict=args.evict, faults=args.faults)
+            if args.max_rows_fraction is not None or not args.faults:
+                raise InvalidRequest("--max-rows-fraction and --no-faults are options of --task ctr",
+                                     field="max_rows_fraction" if args.max_rows_fraction is not None else "faults")
             from kvps.demo.run import main as demo_main
             return demo_main(out=Path(args.out), seed=args.seed, quick=args.quick,
                              staleness=args.staleness)

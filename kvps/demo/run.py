@@ -144,17 +144,20 @@ class Workers:
                 p.join()
 
 
-def _train(cluster: LocalCluster, workers: Workers, cfg: TrainConfig, total: int, deadline_s: float) -> Run:
+def _train(cluster: LocalCluster, workers: Workers, cfg: TrainConfig, total: int, deadline_s: float,
+           kills: bool = True) -> Run:
     tty = sys.stdout.isatty()  # off a terminal only the kills and recoveries are printed
     with tqdm(total=total, unit="step", file=sys.stdout, disable=not tty, dynamic_ncols=True,
               bar_format="  {l_bar}{bar}| {n_fmt}/{total_fmt} steps{postfix}") as bar:
-        return _train_with(cluster, workers, cfg, total, deadline_s, bar)
+        return _train_with(cluster, workers, cfg, total, deadline_s, bar, kills)
 
 
 def _train_with(cluster: LocalCluster, workers: Workers, cfg: TrainConfig, total: int,
-                deadline_s: float, bar: tqdm) -> Run:
+                deadline_s: float, bar: tqdm, kills: bool = True) -> Run:
     workers.go()
     run, killer = Run(), Killer(cluster, total, lambda line: bar.write(line, file=sys.stdout))
+    if not kills:  # the same run without faults: what the faults cost is the difference
+        killer.plan.clear()
     deadline = time.monotonic() + deadline_s
     while len(run.acked) < cfg.workers or not killer.finished:
         if time.monotonic() > deadline:

@@ -37,3 +37,9 @@ def test_demo_takes_a_fraction_in_zero_one(text, ok, capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(["demo", "--task", "ctr", "--max-rows-fraction", text])
         assert "fraction in (0, 1]" in capsys.readouterr().err
+
+
+def test_no_faults_is_an_option_of_the_ctr_task_only():
+    parser = build_parser()
+    assert parser.parse_args(["demo", "--task", "ctr", "--no-faults"]).faults is False
+    assert parser.parse_args(["demo", "--task", "ctr"]).faults is True
