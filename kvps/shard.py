@@ -154,15 +154,17 @@ class ShardState:
     def _barrier(self, cmd: Barrier) -> dict:
         return {"barrier": cmd.term}
 
-    def _set_rows(self, cmd: SetRows) -> dict:
+    def _set_rows(self, cmd: SetRows) -> Applied:
         table = self._entry(cmd.key, "table")
         if cmd.values.shape[1] != table.dim or cmd.values.dtype != table.dtype:  # type: ignore[union-attr]
             raise ShapeMismatch(cmd.key, {"shape": ["n", table.dim], "dtype": table.dtype.name},  # type: ignore[union-attr]
                                 {"shape": list(cmd.values.shape), "dtype": cmd.values.dtype.name})
         if not bool(np.isfinite(cmd.values).all()):
             raise InvalidRequest("row values contain NaN or Inf", key=cmd.key)
+        churned = table.churned  # type: ignore[union-attr]
         table.commit(table.plan_set(cmd.ids, cmd.values, self.time))  # type: ignore[union-attr]
-        return {"rows": len(cmd.ids)}
+        churned = table.churned - churned  # type: ignore[union-attr]
+        return Applied({"rows": len(cmd.ids)}, (RowsChurned(churned),) if churned else ())
 
     def _snapshot_step(self, cmd: SnapshotStep) -> Applied:
         """The catalog side of a user snapshot (``kvps.catalog``). The first cut of a snapshot

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvps_client as kc
-from kvps.command import CreateTable, Push, PushId, RowDelta, decode_command
+from kvps.command import CreateTable, Push, PushId, RowDelta, SetRows, decode_command
 from kvps.errors import CapacityExceeded, InvalidRequest, Unavailable
 from kvps.lifecycle import Scratch, least, lifecycle_from_dict
 from kvps.machine import RowsChurned
@@ -115,6 +115,9 @@ def test_a_capped_table_that_grows_or_evicts_says_so_and_others_do_not():
     assert churn(capped.apply(cmd(2, range(200)))) == []  # the same rows again: nothing added
     assert churn(capped.apply(cmd(3, range(200, 400)))) == [300]  # 200 added, 100 evicted
     assert churn(free.apply(cmd(1, range(200)))) == []  # no cap: no reason to trim
+    set_rows = lambda ids: SetRows("e", np.asarray(ids, np.int64), np.zeros((len(ids), 2)))  # noqa: E731
+    assert churn(capped.apply(set_rows(range(400, 450)))) == [100]  # rows set past the cap: 50 in, 50 out
+    assert churn(free.apply(set_rows(range(400, 450)))) == []
 
 
 def test_a_capped_table_takes_its_cap_once_halfway_there():
