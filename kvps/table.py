@@ -2,7 +2,8 @@
 and the record columns its definition reads (``kvps.record``: step count, last push time, push
 count), and (``kvps.lifecycle``) admitted, capped and evicted by rules applied from the log alone.
 
-Rows live in growable numpy arrays (capacity grows by 1.25x, never past the row cap) indexed by an
+Rows live in growable numpy arrays (capacity grows by 1.25x; a capped table's jumps to its cap
+once halfway there and never passes it) indexed by an
 open-addressing ``id -> slot`` hash index (``kvps.rows``): no Python object per row. A row that is
 not stored (never pushed, not admitted yet, or evicted) reads as ``init.rows([id])`` (a pure
 function of seed and id) at version ``floor``: 0 until a row is evicted, then one more than any
@@ -16,6 +17,9 @@ the columns the table keeps (ids, versions and steps as int64 whatever their wid
 carry no uint32, and the widths follow from the values); layout 1 (no ``"layout"``: every row with
 int64 id, version and step, and with a lifecycle float64 last push and int64 count) is still read,
 the columns the table does not keep dropped.
+
+Past 450 lines: planning, committing and evicting share the columns and their widths, which is
+the point of one class; the snapshot form (~90 lines) is the part that could move out next.
 """
 from __future__ import annotations
 
