@@ -56,8 +56,8 @@ class EmbeddingBagCollection(nn.Module):
     """Pooled embeddings of several features: ``tables`` maps a feature to its table spec, a dim
     or a dict ``{"dim", "table" (default: the feature's name), "optimizer", "init", "dtype",
     "merge"}`` and the lifecycle options ``"clip_norm", "max_rows", "evict", "ttl_s", "admit"``
-    (``Client.create_table``); features naming the same table share its rows. ``forward({feature: (ids,
-    offsets)})`` returns ``{feature: (bags, dim)}``. With an asyncio ``Client``, ``prefetch``
+    (``Client.create_table``); features naming the same table share its rows.
+    ``forward({feature: (ids, offsets)})`` returns ``{feature: (bags, dim)}``. With an asyncio ``Client``, ``prefetch``
     must be called from the loop, and ``await ebc.wait()`` before the forward that uses it."""
 
     def __init__(self, client: Client | SyncClient, tables: Mapping[str, Any], *, mode: str = "sum") -> None:

@@ -3,8 +3,9 @@
 Truth (seeded): every user and item has a hidden vector and every item a bias; a user clicks an
 item with probability ``sigmoid(2 <u, v> + b_item - 1)``. Impressions pair a user and an item,
 each drawn popular-first (Zipf 1.2 over 10,000 users and 4,000 items: a long tail of ids seen a
-few times, as in recommendation data; ``caps`` bound the tables at a fraction of them). The model learns its own user and item embeddings (kvps tables,
-row-wise Adagrad, pooled by ``EmbeddingBagCollection``: one id per bag here) and an MLP over
+few times, as in recommendation data; ``caps`` bound the tables at a fraction of them). The model
+learns its own user and item embeddings (kvps tables, row-wise Adagrad, pooled by
+``EmbeddingBagCollection``: one id per bag here) and an MLP over
 ``[u, v, u * v]`` (a ``PSModule``, Adagrad on the server). The baseline trains the same model on
 the same batches in one process: the same initial rows (the tables' initializer is a pure
 function of seed and id), the same optimizer code (``kvps.optimizer``) for the rows.
