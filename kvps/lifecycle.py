@@ -127,8 +127,8 @@ def lifecycle_from_dict(data: Any) -> Lifecycle | None:
 class Scratch:
     """Work arrays kept between pushes. Past its cap a table runs ``least`` over all its rows on
     every push; fresh row-sized temporaries each time (a copy and a partition of a column, masks:
-    1-16 MiB at 1 M rows) landed in the heap under a replica's mmap threshold and fragmented it
-    (RSS 36 MiB past the cap's bytes + 64 MiB). One buffer per purpose and dtype, grown by 1.25x."""
+    1-16 MiB at 1 M rows) were freed into the heap a replica keeps (``HeapTrimmer`` says why).
+    One buffer per purpose and dtype, grown by 1.25x."""
 
     def __init__(self) -> None:
         self._bufs: dict[tuple[str, np.dtype], np.ndarray] = {}

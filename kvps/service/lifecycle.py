@@ -43,9 +43,10 @@ class HeapTrimmer:
     free, at most once per ``period`` seconds. The malloc settings above keep up to 128 MiB of freed
     heap on purpose (recycled push buffers); a capped table growing toward its cap, and then
     evicting on every push, frees row-sized arrays, and that kept heap put a replica's RSS
-    60-120 MiB past the cap's bytes (a 64 MiB budget trimmed once a second, keeping the top pad,
-    still left it at the bound's edge: 199-218 MiB against 212.8). Called only where a table with a cap or a time-to-live
-    added or evicted rows (``RowsChurned``): other processes never trim (glibc only)."""
+    60-90 MiB past the cap's bytes + 64 MiB (a 64 MiB budget trimmed once a second, keeping the
+    top pad, still left it at the bound's edge: 199-218 MiB against 212.8). Called only where a
+    table with a cap or a time-to-live added or evicted rows (``RowsChurned``): other processes
+    never trim (glibc only)."""
 
     def __init__(self, budget: int = 32 << 20, period: float = 0.25) -> None:
         self.budget, self.period = budget, period
