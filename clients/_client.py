@@ -42,6 +42,7 @@ from ._hyper import set_hyperparams
 from ._lossy import LossyEncoder
 from ._rows import RowCache
 from ._routing import ClusterMap
+from ._shm import SharedPulls
 from ._sender import ClientStats, RetryPolicy, Sender, error_from_response
 from ._transport import HttpTransport, Transport
 from ._wire import WireTransport
@@ -64,7 +65,7 @@ class Client:
                  retry: RetryPolicy = RetryPolicy(), seed: int | None = None,
                  ssl: ssl_.SSLContext | str | None = None, deltas: bool | str = "auto",
                  push_codec: str = "raw", row_cache: bool = True, wire: bool | None = None,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+                 shm: bool = True, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         if endpoints is None:
             endpoints = os.environ.get("KVPS_ENDPOINT", DEFAULT_ENDPOINT)
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
@@ -102,6 +103,8 @@ class Client:
         self._rows: dict[str, RowCache] = {}
         self._seq = 0
         self._waiting: set[int] = set()  # seqs that may still be retried (sets the floor)
+        # pulls from same-host leaders' shared-memory mirrors (shm=False: TCP only)
+        self.shared = SharedPulls(shm)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -127,6 +130,7 @@ class Client:
         if self._state == "closed":
             return
         self._state = "closed"
+        self.shared.close()
         if self.sender.wire is not None:
             await self.sender.wire.close()
         await self.sender.transport.close()
@@ -428,10 +432,21 @@ class Client:
                 per_shard.setdefault(shard, []).append(
                     {"key": key, "blocks": blocks, "have": [cache.versions[b] for b in blocks],
                      "min_version": int(mv)})
+        mirrored = {shard: self.shared.wanted(shard, self.cluster_map.on_loopback(shard), consistency)
+                    for shard in per_shard}
+        if not min_version:  # a min_version pull asks every shard whether it issued the version
+            for shard in [s for s, m in mirrored.items() if m]:
+                if self.shared.read(shard, per_shard[shard], caches):
+                    del per_shard[shard]
         resps = await self.sender.fan_out([
             self.call(shard, "pull", {"dense": items, "consistency": consistency, "packed": True,
-                                       "delta": self._deltas_for(shard)}, consistency=consistency)
+                                       "delta": self._deltas_for(shard),
+                                       **({"mirror": True} if mirrored[shard] else {})},
+                      consistency=consistency)
             for shard, items in per_shard.items()])
+        for shard, resp in zip(per_shard, resps):
+            if mirrored[shard]:
+                self.shared.learn(shard, resp.meta)
         if min_version:  # every shard holding blocks of the key was asked
             asked: dict[str, list[int | None]] = {}
             for resp, items in zip(resps, per_shard.values()):

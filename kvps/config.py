@@ -230,6 +230,10 @@ class ServerConfig:
     # hosts, where HTTP costs an exchange per request. Clients use it where the cluster map names
     # it (Client(wire=False): HTTP only); the replicas' HTTP data ports keep serving either way.
     wire: bool = True
+    # A leader asked by a client on its host keeps its dense blocks in a shared-memory mirror of
+    # up to this many bytes (kvps/replica/mirror.py; a sparse file in /dev/shm, pages taken as
+    # blocks are written; a full one is replaced by a new one). 0: no mirrors, TCP pulls only.
+    mirror_bytes: int = 1 << 30
 
     def validate(self) -> "ServerConfig":
         _positive(self, "max_request_bytes", "max_raw_bytes", "body_timeout", "batch_bytes",
@@ -250,6 +254,8 @@ class ServerConfig:
         if isinstance(self.procs, bool) or self.procs not in (0, 1):
             raise ConfigError("procs must be 0 (one process per replica) or 1 (every replica in "
                               "the node's process)", field="procs")
+        if isinstance(self.mirror_bytes, bool) or not isinstance(self.mirror_bytes, int) or self.mirror_bytes < 0:
+            raise ConfigError("mirror_bytes must be an int >= 0", field="mirror_bytes")
         if self.snapshot_every < 0 or self.snapshot_keep < 0:
             raise ConfigError("snapshot_every and snapshot_keep must be >= 0", field="snapshot_every")
         return self

@@ -43,8 +43,9 @@ def pulls(endpoints: list[str], token: str, model: Model, repeats: int) -> dict:
             cases: dict[str, dict] = {}
 
             async def fresh_reader() -> kc.Client:
-                # deltas on, also on loopback (where "auto" leaves them off): B4 measures them
-                reader = kc.Client(endpoints, token=token, seed=22, timeout=60, deltas=True)
+                # deltas on, also on loopback (where "auto" leaves them off): B4 measures them,
+                # over TCP, as workers on another host pull (not from the leaders' mirrors here)
+                reader = kc.Client(endpoints, token=token, seed=22, timeout=60, deltas=True, shm=False)
                 await reader.open()
                 for n in names:  # layouts are cached per client: not what we measure
                     await reader.describe(n)

@@ -60,7 +60,7 @@ from pysyncobj.monotonic import monotonic
 
 from kvps.raft import internals
 
-__all__ = ["FastFailover", "election_delay", "schedule_election"]
+__all__ = ["FastFailover", "election_delay", "majority_heard_at", "schedule_election"]
 
 logger = logging.getLogger("kvps.raft")
 
@@ -110,3 +110,21 @@ class FastFailover:
         self.scheduled += 1
         logger.info("raft leader %s is gone (connection closed, port refused); standing for "
                     "election in %.0f ms (%+.0f ms)", address, 1000 * delay, 1000 * moved)
+
+
+def majority_heard_at(group: Any) -> float:
+    """On a leader: the monotonic time by which a majority of its group (itself included) had last
+    answered it; 0.0 on a replica that does not lead. No other member wins an election before this
+    plus the shortest election timeout (a member that heard from its leader refuses pre-votes that
+    long), unless the leader's process died (the fast failover above): the shared-memory mirror's
+    lease (``kvps.delta.mirror``) counts from it, and its readers check the writer is alive."""
+    if not group.is_leader():
+        return 0.0
+    try:
+        times = sorted(internals.last_responses(group), reverse=True)
+    except RuntimeError:  # a member added or removed on the tick thread meanwhile
+        return 0.0
+    need = (len(times) + 1) // 2  # answers needed besides its own for a majority
+    if need == 0:
+        return monotonic()
+    return times[need - 1] if len(times) >= need else 0.0

@@ -29,6 +29,8 @@ pysyncobj name                     used by                            accessor h
 ``SyncObj.__newAppendEntriesTime`` quiet: a still leader's next beat  ``next_heartbeat``,
                                                                       ``set_next_heartbeat``
 ``SyncObj.__raftMatchIndex``       quiet: every member caught up      ``match_indexes``
+``SyncObj.__lastResponseTime``     group: the shared-memory mirror's  ``last_responses``
+                                   lease (a majority heard when)
 ``SyncObj.__getCurrentLogIndex``   quiet: the last entry's index      ``last_log_index``
 ``SyncObj.__transferInProgress``   prevote: timeout_now bypasses it   ``transfer_in_progress``
 ``SyncObj.__transport``            prevote: its own messages          ``send``
@@ -79,64 +81,25 @@ from pysyncobj import SyncObj
 from pysyncobj.syncobj import _COMMAND_TYPE, _RAFT_STATE
 
 __all__ = [
-    "JOURNAL_OVERRIDES",
-    "REGULAR_COMMAND",
-    "ROLES",
-    "SYNCOBJ_ATTRIBUTES",
-    "SYNCOBJ_METHODS",
-    "SYNCOBJ_OVERRIDES",
-    "TRANSPORT_ATTRIBUTES",
-    "TRANSPORT_METHODS",
-    "TRANSPORT_OVERRIDES",
-    "add_incoming",
-    "apply_command",
-    "commit_index",
-    "connections",
-    "current_term",
-    "destroy_now",
-    "election_deadline",
-    "entries",
-    "forget_leader",
-    "is_leader",
-    "is_member",
-    "journal_factory",
-    "last_log_index",
-    "leader",
-    "log_size",
-    "mark_unbound",
-    "match_indexes",
-    "next_heartbeat",
-    "node_at",
-    "node_of",
-    "outgoing_connected",
-    "poller",
-    "raft_log",
-    "restart_transmissions",
-    "self_node",
-    "send",
-    "set_election_deadline",
-    "set_next_heartbeat",
-    "set_server",
-    "stock_do_apply_command",
-    "stock_generate_raft_timeout",
-    "stock_on_message_received",
-    "stock_parse_change_cluster_request",
-    "sync_obj",
-    "term",
-    "tick",
-    "transfer_in_progress",
-    "transmissions_in_flight",
-    "transport_ready",
-    "unknown_connections",
-    "using_poller",
+    "JOURNAL_OVERRIDES", "REGULAR_COMMAND", "ROLES", "SYNCOBJ_ATTRIBUTES", "SYNCOBJ_METHODS",
+    "SYNCOBJ_OVERRIDES", "TRANSPORT_ATTRIBUTES", "TRANSPORT_METHODS", "TRANSPORT_OVERRIDES",
+    "add_incoming", "apply_command", "commit_index", "connections", "current_term",
+    "destroy_now", "election_deadline", "entries", "forget_leader", "is_leader", "is_member",
+    "journal_factory", "last_log_index", "last_responses", "leader", "log_size",
+    "mark_unbound", "match_indexes", "next_heartbeat", "node_at", "node_of",
+    "outgoing_connected", "poller", "raft_log", "restart_transmissions", "self_node", "send",
+    "set_election_deadline", "set_next_heartbeat", "set_server", "stock_do_apply_command",
+    "stock_generate_raft_timeout", "stock_on_message_received",
+    "stock_parse_change_cluster_request", "sync_obj", "term", "tick", "transfer_in_progress",
+    "transmissions_in_flight", "transport_ready", "unknown_connections", "using_poller",
 ]
 
 # The names, as they appear on instances (mangled ones with their class prefix).
 SYNCOBJ_ATTRIBUTES = ("_SyncObj__newAppendEntriesTime", "_SyncObj__raftCommitIndex",
                       "_SyncObj__raftCurrentTerm", "_SyncObj__raftElectionDeadline",
-                      "_SyncObj__raftLeader", "_SyncObj__raftLog", "_SyncObj__raftMatchIndex",
-                      "_SyncObj__serializer", "_SyncObj__transferInProgress", "_SyncObj__transport",
-                      "_poller")
+                      "_SyncObj__lastResponseTime", "_SyncObj__raftLeader", "_SyncObj__raftLog",
+                      "_SyncObj__raftMatchIndex", "_SyncObj__serializer",
+                      "_SyncObj__transferInProgress", "_SyncObj__transport", "_poller")
 SYNCOBJ_METHODS = ("_SyncObj__getCurrentLogIndex", "_SyncObj__getEntries", "_applyCommand",
                    "_doDestroy", "_getLeader", "_getRaftLogSize", "_getTerm", "_isLeader")
 SYNCOBJ_OVERRIDES = ("_SyncObj__doApplyCommand", "_SyncObj__generateRaftTimeout",
@@ -212,6 +175,11 @@ def last_log_index(group: SyncObj) -> int:
 def match_indexes(group: SyncObj) -> dict[Any, int]:
     """On a leader: member node -> the highest index it has acknowledged (a copy)."""
     return dict(group._SyncObj__raftMatchIndex)
+
+
+def last_responses(group: SyncObj) -> list[float]:
+    """On a leader: the monotonic time each other member last answered it (a copy)."""
+    return list(group._SyncObj__lastResponseTime.values())
 
 
 def next_heartbeat(group: SyncObj) -> float:

@@ -245,13 +245,22 @@ async def _pull(replica: Replica, req: frame.Frame):
             wanted[key] = max(wanted.get(key, 0), min_version)
         items.append((key, blocks, have))
     short = await replica.before_read(consistency, wanted)
+    # a client on this host asks for the blocks' places in the leader's shared-memory mirror,
+    # from which it reads them next time (kvps.delta.mirror)
+    mirror = replica.open_mirror() \
+        if consistency == "leader" and rq.field(req.meta, "mirror", bool, False) else None
     out_meta, arrays, codecs = [], [], []
     small, small_values = [], []  # full blocks to pack, for a client that takes them packed
     packing = rq.field(req.meta, "packed", bool, False) and full_codec == "none"
     for key, blocks, have in items:
-        current = replica.host.lookup(lambda s: s.read_blocks(key, blocks))
-        for block, held, (version, value) in zip(blocks, have, current):
+        if mirror is not None:
+            current, slots = replica.host.read_mirrored(key, blocks)
+        else:
+            current, slots = replica.host.lookup(lambda s: s.read_blocks(key, blocks)), None
+        for i, (block, held, (version, value)) in enumerate(zip(blocks, have, current)):
             entry = {"key": key, "block": block, "version": version, "array": None}
+            if slots is not None:
+                entry["mirror"] = slots[i]
             if held != version:
                 base = replica.host.remembered(key, block, held) if deltas and isinstance(held, int) else None
                 entry["array"] = len(arrays)
@@ -270,7 +279,8 @@ async def _pull(replica: Replica, req: frame.Frame):
             out_meta.append(entry)
     codecs += ["none"] * pack_into(small, small_values, arrays)
     replica.stats.count_pull(sum(a.nbytes for a in arrays))
-    return {"blocks": out_meta, **_short(short)}, arrays, codecs
+    shared = {"mirror": str(mirror.path)} if mirror is not None and not mirror.closed else {}
+    return {"blocks": out_meta, **_short(short), **shared}, arrays, codecs
 
 
 def _short(short: dict[str, int]) -> dict:

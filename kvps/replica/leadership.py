@@ -34,7 +34,8 @@ class Leadership:
     def __init__(self, cfg: ClusterConfig, shard: int, address: str, group: ShardGroup, *,
                  propose: Callable[[bytes], Awaitable[Any]],
                  wait_applied: Callable[[float], Awaitable[None]],
-                 not_leader: Callable[[], NotLeader]) -> None:
+                 not_leader: Callable[[], NotLeader],
+                 on_hold: Callable[[], None] | None = None) -> None:
         self._cfg = cfg
         self._shard = shard
         self._address = address
@@ -44,6 +45,7 @@ class Leadership:
         self._not_leader = not_leader
         self._serving_term = -1  # term whose barrier this replica has applied as leader
         self._writes_held_until = 0.0
+        self._on_hold = on_hold  # told when writes are held (the mirror's lease ends then)
         self._barrier_task: asyncio.Task | None = None
         self.changes = 0  # role changes seen
 
@@ -66,6 +68,15 @@ class Leadership:
     def hold_writes(self, seconds: float) -> None:
         """Answer writes and leader reads with ``Unavailable`` (clients retry) for ``seconds``."""
         self._writes_held_until = time.monotonic() + seconds
+        if seconds > 0 and self._on_hold is not None:
+            self._on_hold()
+
+    def may_serve_reads(self) -> bool:
+        """What ``ensure_serving`` checks, without waiting: leads, has applied its barrier, and
+        holds no writes (any thread: the shared-memory mirror's lease is renewed on the tick)."""
+        if time.monotonic() < self._writes_held_until or not self._group.is_leader():
+            return False
+        return self.serving(self._group.term())
 
     async def ensure_serving(self) -> None:
         """Return once this replica is the leader and has applied its barrier."""

@@ -20,6 +20,7 @@ def cluster(tmp_path_factory):
 
 def client(cluster, **kw) -> kc.Client:
     kw.setdefault("deltas", True)  # the default, "auto", turns them off on loopback
+    kw.setdefault("shm", False)  # deltas travel over TCP: not from the leaders' mirrors on this host
     return kc.Client(cluster.endpoints, token=cluster.token, seed=0, **kw)
 
 

@@ -364,6 +364,7 @@ def test_a_fresh_syncobj_is_what_first_election_takes_for_fresh(syncobj):
 def test_quiet_heartbeat_accessors(syncobj):
     assert internals.last_log_index(syncobj) == syncobj._SyncObj__raftLog[-1][1]
     assert internals.match_indexes(syncobj) == {}  # a follower: none
+    assert internals.last_responses(syncobj) == list(syncobj._SyncObj__lastResponseTime.values())
     internals.set_next_heartbeat(syncobj, 12.5)
     assert internals.next_heartbeat(syncobj) == 12.5
 
