@@ -45,6 +45,9 @@ class Plan:
     # node's process; 0, a process per replica), and whether B1 also runs the other one beside it.
     kvps_procs: int = 1
     b1_procs_row: bool = True
+    # B1 also with the workers' shared-memory pulls off (TCP only: what workers on other hosts
+    # get), in the same cluster, on keys of its own
+    b1_tcp_row: bool = True
     # B0: an idle cluster of the plan's size, for each process model: settle (leaders spread,
     # then this many s), then CPU counted over b0_seconds.
     b0_settle: float = 5.0
@@ -78,7 +81,7 @@ class Plan:
                "start redis (aof)": 2, "B1 redis (aof)": b1 + 8,
                "start kvps (fsync never)": 15 + self.shards, "B1 kvps (fsync never)": b1 + 10,
                "B2 redis": 2 * len(self.b2_sizes) * self.b2_seconds + 2,
-               "start kvps": 15 + self.shards, "B1 kvps": b1 + 10,
+               "start kvps": 15 + self.shards, "B1 kvps": b1 + 10, "B1 kvps (TCP only)": b1 + 10,
                "B2 kvps": 2 * len(self.b2_sizes) * (self.b2_seconds + 0.5) + 2,
                "B4 kvps": 4 + 5 * self.b4_repeats * 1.0,
                "B3 kvps": 5 + 3.5 * self.b3_kills,
@@ -92,6 +95,9 @@ class Plan:
             if "(procs" in phase and not phase.startswith("B0"):
                 if not self.b1_procs_row:
                     continue  # the other process model's B1 row
+            elif phase == "B1 kvps (TCP only)":
+                if not self.b1_tcp_row:
+                    continue
             elif "(" in phase and not phase.startswith("B0") and not self.b1_fairness:
                 continue  # a fairness row: "start redis (aof)", "B1 kvps (fsync never)"
             section, _, system = phase.partition(" ")

@@ -9,6 +9,8 @@ shared and drift between measurements is the main source of error.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import platform
 import tempfile
@@ -90,6 +92,9 @@ def run_suite(plan: Plan, sections: tuple[str, ...], systems: tuple[str, ...],
         _kvps(plan, sections, progress, b1, b2, b6, b7, results)
     if b1:
         results["b1"] = {"systems": b1, **_ratios(b1, "steps_per_s")}
+        tcp, redis = b1.get("kvps_tcp", {}).get("steps_per_s"), b1.get("redis", {}).get("steps_per_s")
+        if tcp and redis:  # the TCP-only row against Redis (workers on other hosts)
+            results["b1"]["tcp_ratio_vs_redis"] = tcp / redis
     if b2:
         results["b2"] = _b2_table(b2)
     if b6:
@@ -223,6 +228,11 @@ def _kvps(plan: Plan, sections, progress: Progress, b1: dict, b2: dict, b6: dict
         if "b1" in sections:
             with progress.phase("B1 kvps"):
                 b1["kvps"] = _b1_kvps(plan, cluster, usage)
+            if plan.b1_tcp_row:
+                # what workers on other hosts get: no shared-memory pulls (its own keys)
+                with progress.phase("B1 kvps (TCP only)"):
+                    b1["kvps_tcp"] = {**_b1_kvps(plan, cluster, usage, {"shm": False}, prefix="b1t"),
+                                      "shm": False}
         if "b2" in sections:
             with progress.phase("B2 kvps"):
                 b2["kvps"] = {}
@@ -324,21 +334,38 @@ def _kvps_cluster(plan: Plan, fsync: str, progress: Progress, phase: str, procs:
         yield cluster, lambda: process_usage(lambda pid, _pp, sid: sid in sessions())
 
 
-def _b1_kvps(plan: Plan, cluster: Any, usage: Callable) -> dict[str, Any]:
+def _b1_kvps(plan: Plan, cluster: Any, usage: Callable, client_options: dict | None = None,
+             prefix: str = "b1") -> dict[str, Any]:
     from kvps.bench.workload import create_model, kvps_worker, read_model, updates_lost
 
-    create_model(cluster.endpoints, cluster.token, plan.model)
+    model = dataclasses.replace(plan.model, prefix=prefix)
+    create_model(cluster.endpoints, cluster.token, model)
     # the replicas' counters are sampled with the processes' usage, at the window's edges
-    reports = run_workers(kvps_worker, (cluster.endpoints, cluster.token, plan.model, {}),
+    reports = run_workers(kvps_worker, (cluster.endpoints, cluster.token, model, client_options or {}),
                           plan.workers, warmup=plan.b1_warmup, seconds=plan.b1_seconds,
                           server=lambda: {**usage(), **_replica_counters(cluster)})
     return {**summarize(reports, 2 * plan.model.nbytes), "load_avg": _load(),
             "wire_bytes": sum(r.counters.get("wire_bytes", 0) for r in reports),
             "client_retries": sum(r.counters.get("retries", 0) for r in reports),
+            # blocks pulls read from the leaders' shared-memory mirrors, and shard pulls they
+            # could not serve (sent over TCP)
+            "mirror_blocks": sum(r.counters.get("mirror_blocks", 0) for r in reports),
+            "mirror_fallbacks": sum(r.counters.get("mirror_fallbacks", 0) for r in reports),
+            "mirror_fallback_reasons": _summed(reports, "mirror_fallback_"),
             **_b1_server_counters(reports[0].counters),
-            **updates_lost(plan.model, read_model(cluster.endpoints, cluster.token, plan.model),
+            **updates_lost(model, read_model(cluster.endpoints, cluster.token, model),
                            [len(r.steps) for r in reports]),
             "semantics": "every push applied exactly once (merged on the leader)"}
+
+
+def _summed(reports: list, prefix: str) -> dict[str, float]:
+    """The workers' counters named ``prefix<x>``, summed: ``{x: total}``."""
+    out: dict[str, float] = {}
+    for r in reports:
+        for name, value in r.counters.items():
+            if name.startswith(prefix):
+                out[name[len(prefix):]] = out.get(name[len(prefix):], 0) + value
+    return out
 
 
 def _replica_counters(cluster) -> dict[str, int]:

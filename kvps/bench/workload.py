@@ -30,6 +30,7 @@ LR = 1e-4  # every system applies value -= LR * grad (kvps: SGD on the leader)
 class Model:
     tensors: int = 64
     tensor_bytes: int = 1 << 20
+    prefix: str = "b1"  # of the keys' names (a second kvps row in the same cluster takes another)
 
     @property
     def numel(self) -> int:
@@ -39,8 +40,8 @@ class Model:
     def nbytes(self) -> int:
         return self.tensors * self.tensor_bytes
 
-    def names(self, prefix: str = "b1") -> list[str]:
-        return [f"{prefix}/p{i:03d}" for i in range(self.tensors)]
+    def names(self, prefix: str | None = None) -> list[str]:
+        return [f"{prefix or self.prefix}/p{i:03d}" for i in range(self.tensors)]
 
     def values(self, seed: int = 0) -> list[np.ndarray]:
         rng = np.random.default_rng(seed)
@@ -73,6 +74,7 @@ def kvps_worker(rank: int, endpoints: list[str], token: str, model: Model,
     def run(window: Window) -> StepWindow:
         out = StepWindow()
         sent0, recv0 = client.stats.bytes_sent, client.stats.bytes_received
+        mirror0 = (client.shared.blocks_read, client.shared.fallbacks)
         retries0: list[int] = []  # the client's retries when the first step in the window began
 
         def counted_step() -> None:
@@ -84,7 +86,10 @@ def kvps_worker(rank: int, endpoints: list[str], token: str, model: Model,
             worker_loop(counted_step, window, out)
         finally:
             out.counters.update(wire_bytes=client.stats.bytes_sent - sent0 + client.stats.bytes_received - recv0,
-                                retries=client.stats.retries - (retries0 or [client.stats.retries])[0])
+                                retries=client.stats.retries - (retries0 or [client.stats.retries])[0],
+                                mirror_blocks=client.shared.blocks_read - mirror0[0],
+                                mirror_fallbacks=client.shared.fallbacks - mirror0[1],
+                                **{f"mirror_fallback_{k}": v for k, v in client.shared.reasons.items()})
             loop.run_until_complete(client.aclose())
             loop.close()
         return out

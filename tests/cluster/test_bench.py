@@ -56,7 +56,7 @@ def test_derive_names_ratios_and_targets():
     }
     derive(results)
     met = {t["name"]: t["met"] for t in results["targets"]}
-    assert met == {"b1_vs_redis": True, "b1_vs_rpc": None, "b2_1mib_vs_redis": None,
+    assert met == {"b1_vs_redis": True, "b1_vs_rpc": None, "b2_1mib_vs_redis": None, "b1_tcp_vs_redis": None,
                    "b1_vs_redis_half": True, "b1_server_cpu": None, "b1_server_faults": None,
                    "b1_page_cache": None, "b1_elections": None, "b1_retries": None,
                    "b0_idle": True, "b3_p50": False, "b3_max": False,  # median of (0.4, 2.0) is 1.2
