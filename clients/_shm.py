@@ -17,6 +17,7 @@ import logging
 import mmap
 import os
 import platform
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,9 +96,12 @@ class MirrorReader:
         fcntl.flock(self._fd, fcntl.LOCK_UN)  # we got it: the writer is gone
         return "gone"
 
-    def read(self, slot: int, tag: int, nbytes: int, have: int | None) -> tuple[int, np.ndarray | None] | None:
+    def read(self, slot: int, tag: int, nbytes: int, have: int | None,
+             out: np.ndarray | None = None) -> tuple[int, np.ndarray | None] | None:
         """``(version, bytes)`` of a slot, bytes None when ``have`` is that version already;
-        None when the slot is not (or no longer) that block, or a write kept overlapping."""
+        None when the slot is not (or no longer) that block, or a write kept overlapping.
+        ``out``: a uint8 array of ``nbytes`` to copy into (returned as the bytes) instead of a
+        new one."""
         if not 0 <= slot < self._dir.shape[0]:
             return None
         row = self._dir[slot]
@@ -112,7 +116,13 @@ class MirrorReader:
             off = int(row[S_OFFSET])
             if off < 0 or off + nbytes > self._data.nbytes:
                 return None
-            data = None if version == have else self._data[off:off + nbytes].copy()
+            if version == have:
+                data = None
+            elif out is None:
+                data = self._data[off:off + nbytes].copy()
+            else:
+                np.copyto(out, self._data[off:off + nbytes])
+                data = out
             if int(row[S_SEQ]) == seq:
                 return (version, data) if version >= 0 else None
         return None
@@ -148,6 +158,9 @@ class SharedPulls:
         # read, or no longer that block), "older" (behind what we hold), "expired" (the lease ran
         # out: the leader has not heard from a majority lately), "gone" (stepped down or died)
         self.reasons: dict[str, int] = {}
+        self.reused = 0         # of the blocks copied, those copied into a buffer used before
+        self._owned: dict[tuple[str, int], np.ndarray] = {}   # blocks mirror reads made, in caches
+        self._spares: dict[tuple[str, int], np.ndarray] = {}  # their previous ones, to read into
 
     def wanted(self, shard: int, on_host: bool, consistency: str) -> bool:
         """Whether to ask ``shard``'s leader for mirror places in a TCP pull."""
@@ -160,37 +173,62 @@ class SharedPulls:
         mirror = self._shards.get(shard)
         if mirror is None:
             return False
-        got: list[tuple[Any, int, int, np.ndarray | None]] = []
-        for it in items:
-            cache = caches[it["key"]]
-            layout = cache.layout
-            dtype = np.dtype(layout.dtype)
-            for b, held in zip(it["blocks"], it["have"]):
-                place = mirror.slots.get((it["key"], b))
-                if place is None:
-                    return self._fallback("place")
-                shape = layout.block_shape(b)
-                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                found = mirror.reader.read(place[0], place[1], nbytes, held if cache.blocks[b] is not None else None)
-                if found is None:
-                    return self._fallback("slot")
-                version, raw = found
-                if held is not None and version < held:  # never older than what we hold
-                    return self._fallback("older")
-                value = None if raw is None else raw.view(dtype).reshape(shape)
-                got.append((cache, b, version, value))
-        state = mirror.reader.state()  # checked after reading: live now, so live throughout
-        if state != "live":
-            if state == "gone":  # its writer stepped down or died: a new leader names another
-                self.forget(shard)
-            return self._fallback(state)
-        for cache, b, version, value in got:
+        got: list[tuple[Any, str, int, int, np.ndarray | None]] = []
+        spares: dict[tuple[str, int], np.ndarray] = {}  # taken for this read; back if it fails
+        try:
+            for it in items:
+                key, cache = it["key"], caches[it["key"]]
+                layout = cache.layout
+                dtype = np.dtype(layout.dtype)
+                for b, held in zip(it["blocks"], it["have"]):
+                    place = mirror.slots.get((key, b))
+                    if place is None:
+                        return self._fallback("place")
+                    shape = layout.block_shape(b)
+                    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                    spare = self._spares.pop((key, b), None)
+                    if spare is not None:
+                        spares[(key, b)] = spare
+                    into = spare.reshape(-1).view(np.uint8) \
+                        if spare is not None and spare.dtype == dtype and spare.nbytes == nbytes else None
+                    found = mirror.reader.read(place[0], place[1], nbytes,
+                                               held if cache.blocks[b] is not None else None, out=into)
+                    if found is None:
+                        return self._fallback("slot")
+                    version, raw = found
+                    if held is not None and version < held:  # never older than what we hold
+                        return self._fallback("older")
+                    value = None if raw is None else raw.view(dtype).reshape(shape)
+                    if value is not None and into is not None:
+                        spares.pop((key, b), None)  # written into: it is the new value now
+                        self.reused += 1
+                    got.append((cache, key, b, version, value))
+            state = mirror.reader.state()  # checked after reading: live now, so live throughout
+            if state != "live":
+                if state == "gone":  # its writer stepped down or died: a new leader names another
+                    self.forget(shard)
+                return self._fallback(state)
+        finally:
+            self._spares.update(spares)
+        for cache, key, b, version, value in got:
             if value is not None:
-                cache.blocks[b] = value
+                self._keep(cache, key, b, value)
                 self.bytes_read += value.nbytes
             cache.versions[b] = version
         self.blocks_read += len(got)
         return True
+
+    def _keep(self, cache: Any, key: str, b: int, value: np.ndarray) -> None:
+        """Put ``value`` in the cache; the block it replaces becomes the next read's buffer when
+        it came from a mirror read and nothing else holds it (``pull_blocks`` hands blocks out):
+        a buffer written before costs no page faults, a new one a fault per page."""
+        old = cache.blocks[b]
+        cache.blocks[b] = value
+        if old is not None and self._owned.get((key, b)) is old:
+            # referenced by: _owned, ``old`` here, getrefcount's argument
+            if sys.getrefcount(old) <= 3:
+                self._spares[(key, b)] = old
+        self._owned[(key, b)] = value
 
     def learn(self, shard: int, meta: dict) -> None:
         """Note the mirror and the places a TCP pull reply of ``shard`` named."""

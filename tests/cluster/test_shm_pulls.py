@@ -56,6 +56,31 @@ def test_mirror_pulls_equal_tcp_pulls_and_send_nothing(cluster):
     asyncio.run(main())
 
 
+def test_blocks_handed_out_are_never_written_over(cluster):
+    """A pull reads a changed block into the buffer of the version before it when nothing else
+    holds that one; blocks ``pull_blocks`` handed out keep their values."""
+    async def main():
+        async with kc.Client(cluster.endpoints, token=cluster.token, seed=4) as ps:
+            await ps.create("held", np.zeros((100, 1000), np.float32))  # Add: values count pushes
+            one = np.ones((100, 1000), np.float32)
+            await ps.pull("held")
+            handed = []
+            for step in range(1, 7):
+                await ps.push({"held": one})
+                if step % 2:
+                    layout, blocks = (await ps.pull_blocks(["held"]))["held"]
+                    handed.append((step, blocks))
+                else:
+                    assert ((await ps.pull("held"))["held"] == step).all()
+            assert ps.shared.blocks_read >= 5
+            for step, blocks in handed:
+                for block in blocks:
+                    assert (block == step).all(), f"a block handed out at step {step} changed"
+            assert ps.shared.reused >= 2, "no block buffer was ever reused"
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("fault", ["kill", "pause"])
 def test_a_worker_reads_its_own_writes_across_a_leader_fault(cluster_factory, fault):
     """Push, pull (from the leader's mirror), fault the leader, push again (to the new leader),
