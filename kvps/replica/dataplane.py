@@ -247,7 +247,7 @@ async def _pull(replica: Replica, req: frame.Frame):
     short = await replica.before_read(consistency, wanted)
     # a client on this host asks for the blocks' places in the leader's shared-memory mirror,
     # from which it reads them next time (kvps.delta.mirror)
-    mirror = replica.open_mirror() \
+    mirror = replica.mirror.open() \
         if consistency == "leader" and rq.field(req.meta, "mirror", bool, False) else None
     out_meta, arrays, codecs = [], [], []
     small, small_values = [], []  # full blocks to pack, for a client that takes them packed

@@ -1,5 +1,6 @@
 """The writer of a shard leader's shared-memory mirror (its layout and what it is for:
-``kvps.delta.mirror``; the reader: ``kvps_client._shm``).
+``kvps.delta.mirror``; the reader: ``kvps_client._shm``), and ``LeaderMirror``, when a replica has
+one and how long readers may trust it.
 
 The leader's state lock serialises every change (``kvps.replica.host``); ``renew`` may come from
 any thread. The file is readable by its owner only (mode 0600: the server's user, as its journal)
@@ -9,12 +10,14 @@ writer; ``sweep`` removes the files of writers that died.
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import platform
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -23,8 +26,11 @@ from kvps.delta.mirror import (
     MAGIC, PREFIX, S_NBYTES, S_OFFSET, S_SEQ, S_TAG, S_VERSION, SHM_DIR, SLOT_WORDS, align,
     seqlock_safe,
 )
+from kvps.raft.failover import majority_heard_at
 
-__all__ = ["MirrorFull", "MirrorWriter", "now_ns", "supported", "sweep"]
+__all__ = ["LeaderMirror", "MirrorFull", "MirrorWriter", "now_ns", "supported", "sweep"]
+
+log = logging.getLogger("kvps.replica")
 
 def supported() -> bool:
     """Whether this machine's memory model lets the seqlock work without fences (x86-64), and
@@ -182,3 +188,69 @@ class MirrorWriter:
         self._slots[(key, block)] = i
         self._by_key.setdefault(key, []).append((block, i))
         return i
+
+
+class LeaderMirror:
+    """One replica's mirror over its life: made on the first pull that asks while it leads
+    (``open``), closed when its role changes away from leader or it stops (``close``), its lease
+    renewed on every tick of its group and when a pull asks (``renew``: half the shortest election
+    timeout past the last time a majority answered it, only while it leads and serves) and ended
+    when it holds writes for a hand-off (``suspend``). The mirror itself lives in the state host,
+    whose lock orders every change of it with the applies."""
+
+    _swept = False  # whether this process removed dead writers' files yet
+
+    def __init__(self, host: Any, shard: int, *, mirror_bytes: int, lease_s: float) -> None:
+        self.enabled = mirror_bytes > 0 and supported()
+        self._host, self._shard = host, shard
+        self._bytes, self._lease = mirror_bytes, lease_s
+        self._group: Any = None
+        self._leadership: Any = None
+
+    def attach(self, group: Any, leadership: Any) -> None:
+        """The replica's Raft group and leadership, once built."""
+        self._group, self._leadership = group, leadership
+        if self.enabled:
+            group.addOnTickCallback(self.renew)  # pysyncobj's extension point: every tick
+
+    def open(self) -> MirrorWriter | None:
+        """The mirror same-host readers of this leader use (loop thread, after ``ensure_serving``),
+        made now if there is none; None where mirrors are off or cannot be made."""
+        if not self.enabled:
+            return None
+        try:
+            mirror = self._host.open_mirror(self._make)
+        except OSError as exc:
+            log.warning("shard %d: no shared-memory mirror (%s); same-host pulls use TCP", self._shard, exc)
+            self.enabled = False
+            return None
+        self.renew()
+        return mirror
+
+    def renew(self) -> None:
+        """Extend the lease (any thread), if this replica leads and serves."""
+        mirror = self._host.mirror
+        if mirror is None or self._leadership is None or not self._leadership.may_serve_reads():
+            return
+        heard = majority_heard_at(self._group)
+        if heard > 0:
+            mirror.renew(int((heard + self._lease) * 1e9))
+
+    def suspend(self) -> None:
+        """Writes are held (a hand-off): readers stop trusting the mirror now."""
+        mirror = self._host.mirror
+        if mirror is not None:
+            mirror.renew(0)
+
+    def close(self) -> None:
+        self._host.close_mirror()
+
+    def _make(self) -> MirrorWriter:
+        if not LeaderMirror._swept:
+            LeaderMirror._swept = True
+            removed = sweep()
+            if removed:
+                log.info("removed %d shared-memory mirrors of processes that died", removed)
+        mirror = MirrorWriter(data_bytes=self._bytes)
+        log.info("shard %d: shared-memory mirror %s", self._shard, mirror.path)
+        return mirror

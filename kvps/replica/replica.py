@@ -29,7 +29,7 @@ from kvps.delta import frame
 from kvps.errors import CodecError, InvalidRequest, KeyNotFound, KvpsError, NotLeader, Unavailable
 from kvps.machine import CompactLog, Effect
 from kvps.merge import PushRequest, comparable_digests, is_finite
-from kvps.raft import bridge, failover
+from kvps.raft import bridge
 from kvps.raft import membership as raft_membership
 from kvps.raft.first_election import stand_first
 from kvps.raft.group import ShardGroup
@@ -37,8 +37,8 @@ from kvps.raft.ticker import Ticker
 from kvps.replica.batcher import PushBatcher
 from kvps.replica.history import BlockHistory
 from kvps.replica.host import StateHost
-from kvps.replica import mirror as shm
 from kvps.replica.leadership import Leadership
+from kvps.replica.mirror import LeaderMirror
 from kvps.replica.snapshots import UserSnapshots
 from kvps.replica.stats import ReplicaStats
 from kvps.service.http import PeerClient
@@ -51,9 +51,6 @@ log = logging.getLogger("kvps.replica")
 # A joining replica starts no election for this long: the leader reaches it well before.
 JOIN_ELECTION_HOLD = 10.0
 _EX_DIVERGED = 70  # sysexits.h EX_SOFTWARE: this replica cannot follow its log
-
-
-_swept = False  # whether this process removed dead writers' mirror files yet
 
 
 def _exit(reason: str) -> None:
@@ -93,8 +90,8 @@ class Replica:
         # the shared-memory mirror for same-host readers (kvps.delta.mirror): made on the first
         # pull that asks, while this replica leads; its lease is half the shortest election
         # timeout past the last time a majority answered this leader
-        self._mirror_enabled = server.mirror_bytes > 0 and shm.supported()
-        self._mirror_lease = cfg.raft.election_timeout_min / 2
+        self.mirror = LeaderMirror(self.host, shard, mirror_bytes=server.mirror_bytes,
+                                   lease_s=cfg.raft.election_timeout_min / 2)
 
     @classmethod
     async def open(cls, cfg: ClusterConfig, node_id: int, shard: int, *, secret: bytes,
@@ -136,9 +133,8 @@ class Replica:
             stand_first(self.group)  # a fresh group elects it once connected (kvps.raft.first_election)
         self.leadership = Leadership(cfg, shard, self.address, self.group, propose=self._propose,
                                      wait_applied=self._wait_applied, not_leader=self._not_leader,
-                                     on_hold=self._suspend_mirror)
-        if self._mirror_enabled:
-            self.group.addOnTickCallback(self._renew_mirror)
+                                     on_hold=self.mirror.suspend)
+        self.mirror.attach(self.group, self.leadership)
         self.batcher = PushBatcher(self._propose, cfg.server, clock=self.cluster_time.now,
                                    on_batch=self.stats.count_batch)
         if self._early_role is not None:
@@ -148,7 +144,7 @@ class Replica:
         return self
 
     async def stop(self) -> None:
-        self.host.close_mirror()
+        self.mirror.close()
         self.leadership.stop()
         await self.batcher.close()
         await asyncio.to_thread(self.group.stop)
@@ -211,50 +207,8 @@ class Replica:
 
     def _on_role_change(self, role: str) -> None:
         if role != "leader":  # at once, on the tick thread: no reader trusts it from now on
-            self.host.close_mirror()
+            self.mirror.close()
         self._loop.call_soon_threadsafe(self._role_changed, role)
-
-    # ---- the shared-memory mirror --------------------------------------------------------------
-
-    def open_mirror(self) -> shm.MirrorWriter | None:
-        """The mirror same-host readers of this leader use (loop thread, after ``ensure_serving``),
-        made now if there is none; None where mirrors are off or cannot be made."""
-        if not self._mirror_enabled:
-            return None
-        try:
-            mirror = self.host.open_mirror(self._make_mirror)
-        except OSError as exc:
-            log.warning("shard %d: no shared-memory mirror (%s); same-host pulls use TCP", self.shard, exc)
-            self._mirror_enabled = False
-            return None
-        self._renew_mirror()
-        return mirror
-
-    def _make_mirror(self) -> shm.MirrorWriter:
-        global _swept
-        if not _swept:
-            _swept = True
-            removed = shm.sweep()
-            if removed:
-                log.info("removed %d shared-memory mirrors of processes that died", removed)
-        mirror = shm.MirrorWriter(data_bytes=self.cfg.server.mirror_bytes)
-        log.info("shard %d: shared-memory mirror %s", self.shard, mirror.path)
-        return mirror
-
-    def _renew_mirror(self) -> None:
-        """Extend the mirror's lease (on every tick of the group, and when a pull asks)."""
-        mirror = self.host.mirror
-        if mirror is None or self.leadership is None or not self.leadership.may_serve_reads():
-            return
-        heard = failover.majority_heard_at(self.group)
-        if heard > 0:
-            mirror.renew(int((heard + self._mirror_lease) * 1e9))
-
-    def _suspend_mirror(self) -> None:
-        """Writes are held (a hand-off): readers stop trusting the mirror now."""
-        mirror = self.host.mirror
-        if mirror is not None:
-            mirror.renew(0)
 
     # ---- loop-thread reactions ----------------------------------------------------------------
 
