@@ -55,7 +55,9 @@ def sweep(directory: Path = Path(SHM_DIR)) -> int:
         except OSError:
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # shared, as readers test it: an exclusive lock here would make a reader testing the
+            # file meanwhile take a dead writer for a live one
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:  # a live writer holds it
             os.close(fd)
             continue
@@ -83,18 +85,23 @@ class MirrorWriter:
     """One leadership's mirror (the leader's state lock serialises every call but ``renew``)."""
 
     def __init__(self, *, data_bytes: int, slots: int = 1 << 16, directory: Path = Path(SHM_DIR)) -> None:
-        self.path = directory / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.path = directory / name
+        # made under another name and locked before it takes its own: a sweep in another process
+        # never sees it unlocked
+        making = directory / f".{name}"
         dir_bytes = align(slots * SLOT_WORDS * 8)
         self._data_offset = HEADER_BYTES + dir_bytes
         self._size = self._data_offset + align(data_bytes)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, self._size)  # sparse: pages are taken as blocks are written
             self._mmap = mmap.mmap(fd, self._size)
+            os.rename(making, self.path)  # the lock is the file's: it stays
         except BaseException:
             os.close(fd)
-            self.path.unlink(missing_ok=True)
+            making.unlink(missing_ok=True)
             raise
         self._fd = fd
         self._hdr = np.frombuffer(self._mmap, np.uint64, 8)
