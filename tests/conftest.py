@@ -18,6 +18,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cluster: starts real multi-process clusters")
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Shared-memory mirrors of leaders the tests killed (their files outlive them; a node that
+    starts again removes them, one killed for good leaves them)."""
+    from kvps.replica.mirror import sweep
+
+    sweep()
+
+
 def make_cluster(tmp_path: Path, *, nodes: int = 3, shards: int = 2, replicas: int = 3,
                  server: ServerConfig | None = None, raft: RaftConfig | None = None,
                  **kwargs) -> LocalCluster:
