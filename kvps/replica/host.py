@@ -7,10 +7,10 @@ blocks are immutable arrays, so a read may keep what it got and encode it outsid
 
 The host performs the effects a command asks for, in order, before the next entry applies: it
 keeps recent block versions itself (``BlockHistory``, for exact deltas in pulls), gives free heap
-back when a capped table grew or evicted (``HeapTrimmer``), copies new block versions into the
-shared-memory mirror while this replica leads and a same-host client asked for one
-(``kvps.replica.mirror``: every change of the mirror happens under the same lock, in apply order)
-and hands every other effect (snapshot files, held acknowledgements, log compaction) to ``perform``.
+back when a capped table grew or evicted (``HeapTrimmer``), copies each new version of a block a
+same-host client pulled into the shared-memory mirror while this replica leads
+(``kvps.replica.mirror``; every change of the mirror happens under this lock, in apply order) and
+hands every other effect (snapshot files, held acknowledgements, log compaction) to ``perform``.
 """
 from __future__ import annotations
 
@@ -129,10 +129,11 @@ class StateHost:
             if isinstance(effect, RememberBlocks):
                 for key, block, version, value in effect.blocks:
                     self._history.add(key, block, version, value)
-                if self._mirror is not None:
+                if self._mirror is not None:  # the blocks it holds (a same-host client read them)
                     try:
                         for key, block, version, value in effect.blocks:
-                            self._mirror.publish(key, block, version, value)
+                            if self._mirror.slot(key, block) is not None:
+                                self._mirror.publish(key, block, version, value)
                     except MirrorFull:
                         self._mirror_ran_out()
             elif isinstance(effect, ForgetKey):

@@ -200,3 +200,40 @@ def test_readers_refuse_files_that_are_not_mirrors(tmp_path):
             MirrorReader(str(bogus))
     finally:
         bogus.unlink()
+
+
+def test_the_host_keeps_the_blocks_a_client_read_current_and_no_others():
+    """Apply order: each new version of a mirrored block is in the mirror when its push applies;
+    a block no same-host client pulled takes no room; a deleted key's slots read as nobody's; a
+    restored state closes the mirror."""
+    from kvps.command import CreateKey, DeleteKey, DenseDelta, Push, PushId
+    from kvps.replica.history import BlockHistory
+    from kvps.replica.host import StateHost
+    from kvps.shard import ShardState
+
+    host = StateHost(ShardState(0), history=BlockHistory, perform=lambda e: None)
+    for key in ("read", "unread"):
+        host.apply(CreateKey(key, (4, 3), "float32", 2, {"name": "add"}, "sum",
+                             ((0, np.zeros((2, 3), np.float32)), (1, np.zeros((2, 3), np.float32)))))
+    mirror = host.open_mirror(lambda: shm.MirrorWriter(data_bytes=1 << 16, slots=16))
+    try:
+        current, places = host.read_mirrored("read", [0, 1])  # a same-host pull of "read"
+        r = MirrorReader(str(mirror.path))
+        try:
+            for seq in range(1, 4):
+                host.apply(Push(1.0, (PushId("c", seq, seq, ("read", "unread")),), tuple(
+                    DenseDelta(k, b, np.full((2, 3), seq, np.float32), 1)
+                    for k in ("read", "unread") for b in (0, 1)), ()))
+                for b, (slot, tag) in enumerate(places):
+                    version, raw = r.read(slot, tag, 24, None)
+                    assert version == host.lookup(lambda s: s.read_blocks("read", [b]))[0][0]
+                    assert (raw.view(np.float32) == sum(range(1, seq + 1))).all()
+            assert mirror.slot("unread", 0) is None and mirror.slot("unread", 1) is None
+            host.apply(DeleteKey("read"))
+            assert all(r.read(slot, tag, 24, None) is None for slot, tag in places)
+            host.replace(ShardState(0))  # a snapshot installed: the mirror copied another state
+            assert host.mirror is None and mirror.closed
+        finally:
+            r.close()
+    finally:
+        host.close_mirror()
