@@ -145,7 +145,10 @@ class MirrorWriter:
         """Write ``value`` as ``version`` of the block; ``(slot, tag)``. Raises ``MirrorFull``."""
         raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
         i = self._slots.get((key, block))
-        if i is None or self._dir[i, S_NBYTES] != raw.nbytes:
+        if i is not None and self._dir[i, S_NBYTES] != raw.nbytes:
+            self._kill(i)  # the block changed size: a reader holding the old place finds nobody
+            i = None
+        if i is None:
             i = self._allocate(key, block, raw.nbytes)
         row = self._dir[i]
         seq = int(row[S_SEQ])
@@ -159,12 +162,16 @@ class MirrorWriter:
     def forget_key(self, key: str) -> None:
         """The key is gone: its slots read as nobody's (their space is not reused)."""
         for block, i in self._by_key.pop(key, ()):
-            row = self._dir[i]
-            seq = int(row[S_SEQ])
-            row[S_SEQ] = seq + 1
-            row[S_TAG] = 0
-            row[S_SEQ] = seq + 2
+            self._kill(i)
             self._slots.pop((key, block), None)
+
+    def _kill(self, i: int) -> None:
+        """Slot ``i`` reads as nobody's from now on."""
+        row = self._dir[i]
+        seq = int(row[S_SEQ])
+        row[S_SEQ] = seq + 1
+        row[S_TAG] = 0
+        row[S_SEQ] = seq + 2
 
     def close(self) -> None:
         """Readers stop trusting it at once; the file goes (mapped readers keep their pages)."""

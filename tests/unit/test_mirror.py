@@ -74,6 +74,16 @@ def test_a_forgotten_key_reads_as_nobodys(writer):
         r.close()
 
 
+def test_a_block_that_changes_size_leaves_nobody_at_its_old_place(writer):
+    old = writer.publish("k", 0, 1, np.ones(16, np.float32))
+    new = writer.publish("k", 0, 2, np.ones(8, np.float32))
+    r = _reader(writer)
+    try:
+        assert new != old and r.read(*old, 64, None) is None and r.read(*new, 32, None)[0] == 2
+    finally:
+        r.close()
+
+
 def test_a_full_mirror_says_so(writer):
     writer.publish("big", 0, 1, np.zeros(1 << 18, np.float32))  # the whole 1 MiB
     with pytest.raises(shm.MirrorFull):
