@@ -95,7 +95,8 @@ class Client:
                              cluster_map=lambda: self.cluster_map, refresh_map=self.refresh_map,
                              # the nodes' binary data plane where they serve one. wire=False: every
                              # call through ``transport`` (HTTP); the default when one is given
-                             wire=WireTransport(self.token, ssl=ssl)
+                             # (shm: bodies to nodes on this host through a push ring)
+                             wire=WireTransport(self.token, ssl=ssl, ring=shm)
                              if (transport is None if wire is None else wire) else None)
         self._infos: dict[str, dict] = {}
         self._layouts: dict[str, tuple[dict, DenseLayout]] = {}  # key -> (the info it came from, layout)

@@ -32,7 +32,7 @@ __all__ = ["ClientStats", "RetryPolicy", "Route", "Sender", "error_from_response
 
 @dataclass
 class ClientStats:
-    bytes_sent: int = 0       # request bodies on the wire (after compression)
+    bytes_sent: int = 0       # request bodies (after compression), also those a push ring carried
     bytes_received: int = 0   # response bodies on the wire
     requests: int = 0
     wire_requests: int = 0    # of those, sent on a node's wire connection (the rest: HTTP)

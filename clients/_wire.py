@@ -9,18 +9,27 @@ is received straight into a buffer of its size and handed over as a read-only vi
 pulled block is a view of that buffer: no copy between the socket and the caller's arrays but the
 kernel's). A failure to get an answer is ``ConnectError``, as with ``HttpTransport``, and the
 connection is opened again by the next request.
+
+With ``ring`` (the client's ``shm``), a body of ``kvps.delta.ring.MIN_BODY`` or more to a node on
+this host is written into the client's push ring (``clients._ring``) and a 48-byte descriptor
+goes on the connection in its place; the node copies the body out before it reads it. A node that
+cannot read the ring answers ``RingUnavailable`` and gets that request, and every later one, inline.
 """
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import itertools
+import json
 import ssl as ssl_
 
 import numpy as np
 
+from kvps.delta import ring as ring_layout
 from kvps.delta import wire
 from kvps.errors import ConnectError
 
+from ._ring import Place, PushRing, supported
 from ._transport import Body
 
 __all__ = ["WireTransport"]
@@ -28,12 +37,20 @@ __all__ = ["WireTransport"]
 
 class WireTransport:
     def __init__(self, token: str, *, ssl: ssl_.SSLContext | None = None,
-                 connect_timeout: float = 5.0) -> None:
+                 connect_timeout: float = 5.0, ring: bool = False, ring_bytes: int | None = None) -> None:
         self._token = token
         self._ssl = ssl
         self._connect_timeout = connect_timeout
         self._conns: dict[tuple[str, int, bool], _Connection] = {}
         self._opening: dict[tuple[str, int, bool], asyncio.Task] = {}
+        self._use_ring = ring and supported()
+        self._ring_bytes = ring_bytes
+        self._ring: PushRing | None = None
+        self._no_ring: set[tuple[str, int, bool]] = set()  # nodes that cannot read it
+        self.ring_requests = 0  # bodies sent through the ring
+        self.ring_bytes_sent = 0
+        self.ring_inline = 0  # bodies for a ring-reading node sent inline: no room in the ring then
+        self.rings_abandoned = 0  # rings given up after a request through them got no answer
 
     async def open(self) -> None:
         pass
@@ -43,6 +60,9 @@ class WireTransport:
             task.cancel()
         conns, self._conns = list(self._conns.values()), {}
         await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
 
     async def request(self, address: tuple[str, int, bool], shard: int, op: str, body: Body | bytes, *,
                       timeout: float, tag: str = "") -> tuple[int, bytes | memoryview]:
@@ -53,11 +73,56 @@ class WireTransport:
         try:
             async with asyncio.timeout(timeout):
                 conn = await self._connection(address)
-                return await conn.request(shard, op, body, tag)
+                placed = self._place(address, body)
+                if placed is None:
+                    return await conn.request(shard, op, body, tag)
+                status, answer = await self._through_ring(conn, shard, op, tag, *placed)
+                if status == 400 and _error_name(answer) == "RingUnavailable":
+                    if not placed[2].closed:  # (a ring given up meanwhile: try a fresh one next time)
+                        self._no_ring.add(address)
+                    return await conn.request(shard, op, body, tag)
+                return status, answer
         except TimeoutError:
             raise ConnectError(where, f"{op}: no answer within {timeout}s") from None
         except (OSError, EOFError, asyncio.IncompleteReadError, ssl_.SSLError) as exc:
             raise ConnectError(where, f"{op}: {type(exc).__name__}: {exc}") from exc
+
+    def _place(self, address: tuple[str, int, bool], body: Body | bytes) -> tuple[bytes, Place, PushRing] | None:
+        """``body`` written into the push ring, if it goes that way: (descriptor, place, ring)."""
+        if not self._use_ring or len(body) < ring_layout.MIN_BODY or address in self._no_ring \
+                or not _on_this_host(address[0]):
+            return None
+        if self._ring is None:
+            try:
+                self._ring = PushRing(self._ring_bytes) if self._ring_bytes else PushRing()
+            except OSError:  # no memfd here (or no memory for one): inline from now on
+                self._use_ring = False
+                return None
+        placed = self._ring.place(body.parts if isinstance(body, Body) else (body,))
+        if placed is None:
+            self.ring_inline += 1
+            return None
+        self.ring_requests += 1
+        self.ring_bytes_sent += len(body)
+        return placed[0], placed[1], self._ring
+
+    async def _through_ring(self, conn: "_Connection", shard: int, op: str, tag: str,
+                            descriptor: bytes, place: Place, ring: PushRing) -> tuple[int, bytes | memoryview]:
+        """Send the descriptor; an answer frees its place (the node copied the body out before
+        answering), no answer gives the ring up: the node may still read that place."""
+        answered = False
+        try:
+            answer = await conn.request(shard, op, descriptor, tag)
+            answered = True
+            return answer
+        finally:
+            if answered:
+                ring.release(place)
+            elif not ring.closed:
+                self.rings_abandoned += 1
+                if ring is self._ring:
+                    self._ring = None
+                ring.close()
 
     async def _connection(self, address: tuple[str, int, bool]) -> "_Connection":
         conn = self._conns.get(address)
@@ -87,6 +152,22 @@ class WireTransport:
             raise error_from_response(status, bytes(answer))
         self._conns[address] = conn
         return conn
+
+
+def _on_this_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _error_name(answer: bytes | memoryview) -> str:
+    try:
+        return str(json.loads(bytes(answer)).get("error"))
+    except (ValueError, AttributeError):
+        return ""
 
 
 _HEAD, _BODY = 0, 1

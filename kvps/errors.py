@@ -18,7 +18,8 @@
     │   ├── Forbidden         a valid token whose role is too small (``role``, ``needs``)
     │   ├── InvalidRequest    malformed request, bad argument, NaN/Inf gradient, ...
     │   │   ├── RequestTooLarge  body over the server's cap (HTTP 413)
-    │   │   └── NotDrainable     a metadata node, and no node outside the group to take over (HTTP 409)
+    │   │   ├── NotDrainable     a metadata node, and no node outside the group to take over (HTTP 409)
+    │   │   └── RingUnavailable  the node cannot read the sender's push ring; send the body inline
     │   ├── PushExpired       a retried push id older than the server's window (it *was* applied)
     │   └── CapacityExceeded  a push would take a replica's rows past its memory_limit
     ├── CodecError            corrupt or unknown-format payload
@@ -54,6 +55,7 @@ __all__ = [
     "RejectedError",
     "RequestTooLarge",
     "RetryableError",
+    "RingUnavailable",
     "ShapeMismatch",
     "Timeout",
     "Unauthorized",
@@ -228,6 +230,12 @@ class NotDrainable(InvalidRequest):
     http_status = 409
 
 
+class RingUnavailable(InvalidRequest):
+    """The node cannot read the shared-memory ring a request's descriptor names (another host,
+    PID namespace or user, or a ring that is not the sender's: ``kvps.delta.ring``). Nothing was
+    read or changed; the client sends that node its bodies inline from then on."""
+
+
 class PushExpired(RejectedError):
     """Push ``seq`` of ``client`` is below the shard's applied window (``floor``): it *was*
     applied, and its result is no longer kept."""
@@ -263,7 +271,7 @@ _BY_NAME: dict[str, type[KvpsError]] = {
     for cls in (
         KvpsError, RetryableError, Unavailable, ConnectError, Timeout, NotLeader, NoQuorum, Overloaded,
         RejectedError, VersionConflict, VersionNotIssued, KeyNotFound, KeyExists, ShapeMismatch,
-        Unauthorized, Forbidden, InvalidRequest, RequestTooLarge, NotDrainable, PushExpired,
+        Unauthorized, Forbidden, InvalidRequest, RequestTooLarge, NotDrainable, RingUnavailable, PushExpired,
         CapacityExceeded, CodecError, ConfigError,
     )
 }

@@ -268,7 +268,9 @@ def _b1_md(r: dict) -> list[str]:
               "least squares over each worker's fixed gradient), of all pushes the workers made."), ""]
     kv = b1["systems"].get("kvps")
     if kv and kv.get("wire_bytes"):
-        rows += [(f"kvps wire bytes in the whole run (client bodies): {kv['wire_bytes'] / MB:,.0f} MB; "
+        rows += [(f"kvps wire bytes in the whole run (client bodies): {kv['wire_bytes'] / MB:,.0f} MB "
+                 f"(and {kv.get('ring_bytes', 0) / MB:,.0f} MB in {kv.get('ring_requests', 0):,} push "
+                 f"requests through the workers' shared-memory rings); "
                  f"client retries: {kv.get('client_retries', 0)}; replica role changes (elections "
                  f"with no fault injected) during B1: {kv.get('role_changes', '–')} (in its warm-up: "
                  f"{kv.get('role_changes_warmup', '–')}); push requests merged per "

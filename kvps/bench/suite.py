@@ -352,6 +352,9 @@ def _b1_kvps(plan: Plan, cluster: Any, usage: Callable, client_options: dict | N
             "mirror_blocks": sum(r.counters.get("mirror_blocks", 0) for r in reports),
             "mirror_fallbacks": sum(r.counters.get("mirror_fallbacks", 0) for r in reports),
             "mirror_fallback_reasons": _summed(reports, "mirror_fallback_"),
+            # request bodies written into the workers' push rings instead of sent (kvps.delta.ring)
+            "ring_requests": sum(r.counters.get("ring_requests", 0) for r in reports),
+            "ring_bytes": sum(r.counters.get("ring_bytes", 0) for r in reports),
             **_b1_server_counters(reports[0].counters),
             **updates_lost(model, read_model(cluster.endpoints, cluster.token, model),
                            [len(r.steps) for r in reports]),

@@ -75,6 +75,8 @@ def kvps_worker(rank: int, endpoints: list[str], token: str, model: Model,
         out = StepWindow()
         sent0, recv0 = client.stats.bytes_sent, client.stats.bytes_received
         mirror0 = (client.shared.blocks_read, client.shared.fallbacks)
+        wire = client.sender.wire
+        ring0 = (wire.ring_requests, wire.ring_bytes_sent) if wire is not None else (0, 0)
         retries0: list[int] = []  # the client's retries when the first step in the window began
 
         def counted_step() -> None:
@@ -85,7 +87,10 @@ def kvps_worker(rank: int, endpoints: list[str], token: str, model: Model,
         try:
             worker_loop(counted_step, window, out)
         finally:
-            out.counters.update(wire_bytes=client.stats.bytes_sent - sent0 + client.stats.bytes_received - recv0,
+            ring = (wire.ring_requests - ring0[0], wire.ring_bytes_sent - ring0[1]) if wire is not None else (0, 0)
+            out.counters.update(wire_bytes=client.stats.bytes_sent - sent0 + client.stats.bytes_received - recv0
+                                - ring[1],
+                                ring_requests=ring[0], ring_bytes=ring[1],
                                 retries=client.stats.retries - (retries0 or [client.stats.retries])[0],
                                 mirror_blocks=client.shared.blocks_read - mirror0[0],
                                 mirror_fallbacks=client.shared.fallbacks - mirror0[1],

@@ -14,6 +14,10 @@ as soon as it is done, in any order. All little-endian::
                        body (a response frame when status is 200, else the error as JSON:
                        {"error": ClassName, "message", "fields"}, as the HTTP data plane answers)
 
+A request body may instead be a push-ring descriptor (``kvps.delta.ring``: 48 bytes beginning
+``KVPR``) from a client on the node's host: the node copies the body it names out of the client's
+ring and serves that as the request's body; ``RingUnavailable`` when it cannot read the ring.
+
 The node answers the hello with response id 0: status 200 and ``{}``, or the error (401 for an
 unknown token) after which it closes the connection. It also closes a connection after a request
 it cannot skip (a body longer than its limit, a malformed header), having answered it when it

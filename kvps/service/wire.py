@@ -34,10 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from kvps.delta import wire
-from kvps.errors import KvpsError, Overloaded, Timeout, Unauthorized
+from kvps.delta import ring, wire
+from kvps.errors import KvpsError, Overloaded, RingUnavailable, Timeout, Unauthorized
 from kvps.buffers import RecycledBuffers
 from kvps.service.auth import TokenStore
+from kvps.service.ring import Rings
 
 __all__ = ["Dispatch", "WireServer"]
 
@@ -129,6 +130,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._queued = 0  # their bytes
         self._sender: asyncio.Task | None = None
         self._eof_after_send = False
+        self.rings: Rings | None = None  # the client's push rings, mapped on first use
 
     # -- connection events ----------------------------------------------------------------------
 
@@ -166,6 +168,9 @@ class _Connection(asyncio.BufferedProtocol):
         if self._sender is not None:
             self._sender.cancel()
         self._outq.clear()
+        if self.rings is not None:
+            self.rings.close()
+            self.rings = None
         if self._sock is not None:  # the transport closed its descriptor: this one ends the socket
             asyncio.get_running_loop().remove_writer(self._sock.fileno())  # a send waiting on it
             self._sock.close()
@@ -254,7 +259,31 @@ class _Connection(asyncio.BufferedProtocol):
         elif state == _BODY:
             self._disarm()
             body, self._body = self._body, None
+            if ring.is_descriptor(body):  # the body is in the client's push ring
+                try:
+                    body = self._from_ring(body)
+                except KvpsError as exc:
+                    self._refuse(exc)
+                    self._next_request()
+                    return
             self._run(body)
+
+    def _from_ring(self, descriptor: np.ndarray) -> np.ndarray:
+        """The body a descriptor stands for, copied out of the client's ring before anything
+        reads it (the client cannot change what is then checked and applied)."""
+        desc = ring.parse_descriptor(descriptor, self.server.max_body)
+        if not self.peer.startswith("127.") and self.peer not in ("::1", "localhost"):
+            raise RingUnavailable("push rings are read for clients on this host only", field="ring")
+        if self.rings is None:
+            self.rings = Rings()
+        return self.rings.copy(desc, self.server.buffers.take)
+
+    def _refuse(self, exc: KvpsError) -> None:
+        """Answer the request being read with ``exc`` and go on with the next one."""
+        if not isinstance(exc, RingUnavailable):
+            log.info("%s: request %s from %s refused: %s: %s", self.server.name, self._tag or self._head[1],
+                     self.peer, type(exc).__name__, exc.message)
+        self._reply(self._head[1], exc.http_status, [_error_json(exc)])
 
     def _next_request(self) -> None:
         self._expect(_HEAD, wire.REQUEST.size)
