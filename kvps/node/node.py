@@ -40,6 +40,7 @@ from kvps.replica.dataplane import answer, rejected
 from kvps.replica.resident import ResidentReplica
 from kvps.node.snapshot_api import SnapshotService
 from kvps.service.connections import ConnectionLimits, connection_series
+from kvps.service.ring import ring_series
 from kvps.service.auth import TokenStore
 from kvps.service.lifecycle import MALLOC_SETTINGS
 from kvps.service.http import PeerClient
@@ -153,7 +154,8 @@ class Node:
         return WireServer(dispatch, tokens=self.tokens, max_body=server.max_request_bytes,
                           body_timeout=server.body_timeout, idle_timeout=server.idle_timeout,
                           per_peer=server.max_connections_per_peer, name=f"node {self.node_id} wire",
-                          series=connection_series(self.metrics.registry, self.node_id, "wire"))
+                          series=connection_series(self.metrics.registry, self.node_id, "wire"),
+                          rings=ring_series(self.metrics.registry, self.node_id))
 
     @property
     def token(self) -> str:

@@ -15,18 +15,40 @@ import hmac
 import mmap
 import os
 import stat
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+from prometheus_client import CollectorRegistry, Counter
 
 from kvps.delta import ring
 from kvps.errors import InvalidRequest, RingUnavailable
 
-__all__ = ["MAX_RINGS", "MAX_RING_BYTES", "Rings"]
+__all__ = ["MAX_RINGS", "MAX_RING_BYTES", "Rings", "ring_series"]
 
 MAX_RINGS = 4  # per connection: a client has one ring, a new one after it gave one up
 MAX_RING_BYTES = 4 << 30
+
+
+_SERIES: "weakref.WeakKeyDictionary[CollectorRegistry, tuple]" = weakref.WeakKeyDictionary()
+
+
+def ring_series(registry: CollectorRegistry, node: int) -> tuple[Any, Any, Any]:
+    """A node's ``kvps_ring_bodies_total``, ``kvps_ring_bytes_total`` (request bodies copied out
+    of workers' push rings) and ``kvps_ring_refused_total`` (descriptors answered
+    ``RingUnavailable``), labelled ``node``."""
+    families = _SERIES.get(registry)
+    if families is None:
+        families = _SERIES[registry] = (
+            Counter("kvps_ring_bodies", "Request bodies copied out of workers' push rings", ("node",),
+                    registry=registry),
+            Counter("kvps_ring_bytes", "Bytes of request bodies copied out of workers' push rings",
+                    ("node",), registry=registry),
+            Counter("kvps_ring_refused", "Ring descriptors refused (the node cannot read the ring)",
+                    ("node",), registry=registry))
+    return tuple(f.labels(node=str(node)) for f in families)  # type: ignore[return-value]
 
 
 class _Mapped:

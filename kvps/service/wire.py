@@ -52,7 +52,8 @@ Dispatch = Callable[[int, str, str, memoryview, str], Awaitable[list]]
 class WireServer:
     def __init__(self, dispatch: Dispatch, *, tokens: TokenStore, max_body: int, body_timeout: float,
                  idle_timeout: float, per_peer: int, max_inflight: int = 64, name: str = "wire",
-                 series: tuple[Any, Any, Any] | None = None) -> None:
+                 series: tuple[Any, Any, Any] | None = None,
+                 rings: tuple[Any, Any, Any] | None = None) -> None:
         self.dispatch = dispatch
         self.tokens = tokens
         self.max_body = max_body
@@ -62,6 +63,8 @@ class WireServer:
         self.max_inflight = max_inflight
         self.name = name
         self.open, self.refused, self.idle_closed = series or (_NoSeries(),) * 3
+        # bodies and bytes copied out of push rings, descriptors refused (``ring_series``)
+        self.ring_bodies, self.ring_bytes, self.ring_refused = rings or (_NoSeries(),) * 3
         self.peers: Counter[str] = Counter()
         self.connections: set[_Connection] = set()
         self.requests = 0
@@ -276,11 +279,16 @@ class _Connection(asyncio.BufferedProtocol):
             raise RingUnavailable("push rings are read for clients on this host only", field="ring")
         if self.rings is None:
             self.rings = Rings()
-        return self.rings.copy(desc, self.server.buffers.take)
+        body = self.rings.copy(desc, self.server.buffers.take)
+        self.server.ring_bodies.inc()
+        self.server.ring_bytes.inc(desc.length)
+        return body
 
     def _refuse(self, exc: KvpsError) -> None:
         """Answer the request being read with ``exc`` and go on with the next one."""
-        if not isinstance(exc, RingUnavailable):
+        if isinstance(exc, RingUnavailable):
+            self.server.ring_refused.inc()
+        else:
             log.info("%s: request %s from %s refused: %s: %s", self.server.name, self._tag or self._head[1],
                      self.peer, type(exc).__name__, exc.message)
         self._reply(self._head[1], exc.http_status, [_error_json(exc)])

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import urllib.request
 
 import numpy as np
 import pytest
@@ -110,8 +111,19 @@ def test_ring_pushes_apply_what_tcp_pushes_apply(cluster):
             wire = ps.sender.wire
             assert wire.ring_requests >= 4 and wire.ring_bytes_sent >= 4 * start.nbytes
             assert tcp.sender.wire.ring_requests == 0 and not wire._no_ring
+            return wire.ring_bytes_sent
 
-    asyncio.run(main())
+    sent = asyncio.run(main())
+    copied = sum(_node_series(url, "kvps_ring_bytes_total") for url in cluster.endpoints)
+    assert copied >= sent, "the nodes' metrics miss bodies copied out of rings"
+    assert sum(_node_series(url, "kvps_ring_refused_total") for url in cluster.endpoints) == 0
+
+
+def _node_series(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 def test_a_worker_cannot_change_a_push_after_sending_it(cluster):
