@@ -46,7 +46,7 @@ class PushRing:
         self.size = size
         self.pid = os.getpid()
         self.nonce = os.urandom(ring.NONCE_BYTES)
-        self.fd = os.memfd_create("kvps-push-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.fd = os.memfd_create(ring.MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, size)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,

@@ -32,10 +32,11 @@ import struct
 
 from kvps.errors import InvalidRequest, RequestTooLarge
 
-__all__ = ["ALIGN", "DESCRIPTOR", "DESCRIPTOR_MAGIC", "Descriptor", "HEADER", "MAGIC", "MIN_BODY",
-           "NONCE_BYTES", "encode_descriptor", "is_descriptor", "parse_descriptor"]
+__all__ = ["ALIGN", "DESCRIPTOR", "DESCRIPTOR_MAGIC", "Descriptor", "HEADER", "MAGIC", "MEMFD_NAME",
+           "MIN_BODY", "NONCE_BYTES", "encode_descriptor", "is_descriptor", "parse_descriptor"]
 
 MAGIC = b"KVPRING1"
+MEMFD_NAME = "kvps-push-ring"
 NONCE_BYTES = 16
 HEADER = 64
 ALIGN = 64  # places in the ring start on cache lines

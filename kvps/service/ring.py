@@ -30,6 +30,7 @@ __all__ = ["MAX_RINGS", "MAX_RING_BYTES", "Rings", "ring_series"]
 
 MAX_RINGS = 4  # per connection: a client has one ring, a new one after it gave one up
 MAX_RING_BYTES = 4 << 30
+RING_LINK = f"/memfd:{ring.MEMFD_NAME} "  # what /proc/<pid>/fd/<fd> of a ring reads as
 
 
 _SERIES: "weakref.WeakKeyDictionary[CollectorRegistry, tuple]" = weakref.WeakKeyDictionary()
@@ -63,6 +64,15 @@ class Rings:
         self._maps: OrderedDict[tuple[int, int], _Mapped] = OrderedDict()
         self.copied = 0  # bodies copied out of rings
         self.copied_bytes = 0
+
+    def body(self, raw: np.ndarray | bytes, *, peer: str, max_body: int,
+             take: Callable[[int], np.ndarray]) -> np.ndarray:
+        """The request body the descriptor ``raw`` stands for, copied (``copy``), for a
+        connection from ``peer``: rings are read for clients on this host only."""
+        desc = ring.parse_descriptor(raw, max_body)
+        if not (peer.startswith("127.") or peer in ("::1", "::ffff:127.0.0.1")):
+            raise RingUnavailable("push rings are read for clients on this host only", field="ring")
+        return self.copy(desc, take)
 
     def copy(self, desc: ring.Descriptor, take: Callable[[int], np.ndarray]) -> np.ndarray:
         """The ``desc.length`` bytes at ``desc.offset`` of the ring ``desc`` names, copied into
@@ -100,6 +110,11 @@ class Rings:
 
 def _open(desc: ring.Descriptor) -> _Mapped:
     path = f"/proc/{desc.pid}/fd/{desc.fd}"
+    try:  # a ring's name, before anything is opened (another PID namespace: some other file)
+        if not os.readlink(path).startswith(RING_LINK):
+            raise RingUnavailable("the ring descriptor names no ring", field="ring")
+    except OSError as exc:
+        raise RingUnavailable(f"cannot find the sender's ring: {exc.strerror}", field="ring") from None
     try:
         # non-blocking and no controlling terminal: whatever the path turns out to be, opening it
         # neither waits nor has side effects before it is refused below

@@ -133,7 +133,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._queued = 0  # their bytes
         self._sender: asyncio.Task | None = None
         self._eof_after_send = False
-        self.rings: Rings | None = None  # the client's push rings, mapped on first use
+        self.rings = Rings()  # the client's push rings, mapped on first use
 
     # -- connection events ----------------------------------------------------------------------
 
@@ -171,9 +171,7 @@ class _Connection(asyncio.BufferedProtocol):
         if self._sender is not None:
             self._sender.cancel()
         self._outq.clear()
-        if self.rings is not None:
-            self.rings.close()
-            self.rings = None
+        self.rings.close()
         if self._sock is not None:  # the transport closed its descriptor: this one ends the socket
             asyncio.get_running_loop().remove_writer(self._sock.fileno())  # a send waiting on it
             self._sock.close()
@@ -263,35 +261,29 @@ class _Connection(asyncio.BufferedProtocol):
             self._disarm()
             body, self._body = self._body, None
             if ring.is_descriptor(body):  # the body is in the client's push ring
-                try:
-                    body = self._from_ring(body)
-                except KvpsError as exc:
-                    self._refuse(exc)
+                body = self._from_ring(body)
+                if body is None:  # refused (and answered)
                     self._next_request()
                     return
             self._run(body)
 
-    def _from_ring(self, descriptor: np.ndarray) -> np.ndarray:
+    def _from_ring(self, descriptor: np.ndarray) -> np.ndarray | None:
         """The body a descriptor stands for, copied out of the client's ring before anything
-        reads it (the client cannot change what is then checked and applied)."""
-        desc = ring.parse_descriptor(descriptor, self.server.max_body)
-        if not self.peer.startswith("127.") and self.peer not in ("::1", "localhost"):
-            raise RingUnavailable("push rings are read for clients on this host only", field="ring")
-        if self.rings is None:
-            self.rings = Rings()
-        body = self.rings.copy(desc, self.server.buffers.take)
-        self.server.ring_bodies.inc()
-        self.server.ring_bytes.inc(desc.length)
-        return body
-
-    def _refuse(self, exc: KvpsError) -> None:
-        """Answer the request being read with ``exc`` and go on with the next one."""
-        if isinstance(exc, RingUnavailable):
-            self.server.ring_refused.inc()
-        else:
+        reads it (the client cannot change what is then checked and applied); None when it is
+        refused, after answering the refusal."""
+        try:
+            body = self.rings.body(descriptor, peer=self.peer, max_body=self.server.max_body,
+                                   take=self.server.buffers.take)
+        except KvpsError as exc:
+            if isinstance(exc, RingUnavailable):
+                self.server.ring_refused.inc()
             log.info("%s: request %s from %s refused: %s: %s", self.server.name, self._tag or self._head[1],
                      self.peer, type(exc).__name__, exc.message)
-        self._reply(self._head[1], exc.http_status, [_error_json(exc)])
+            self._reply(self._head[1], exc.http_status, [_error_json(exc)])
+            return None
+        self.server.ring_bodies.inc()
+        self.server.ring_bytes.inc(len(body))
+        return body
 
     def _next_request(self) -> None:
         self._expect(_HEAD, wire.REQUEST.size)

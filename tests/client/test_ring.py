@@ -95,6 +95,11 @@ def test_the_node_copies_a_body_out_before_it_is_read(push_ring):
         push_ring._bytes[ring.HEADER:] = 0xAB  # the worker writes over its ring afterwards
         assert np.array_equal(copy, body), "the node's copy changed with the worker's ring"
         assert rings.copied == 1 and rings.copied_bytes == body.nbytes
+        for peer in ("10.0.0.7", "192.168.1.2", "::2"):  # rings are read for clients on this host only
+            with pytest.raises(RingUnavailable):
+                rings.body(descriptor, peer=peer, max_body=1 << 20, take=np.empty)
+        again = rings.body(descriptor, peer="127.0.0.1", max_body=1 << 20, take=np.empty)
+        assert np.array_equal(again, np.full_like(body, 0xAB))
         d = _desc(descriptor)
         with pytest.raises(InvalidRequest):  # past the ring's end
             rings.copy(ring.Descriptor((d.pid, d.fd, d.nonce, push_ring.size - 10, 11)), np.empty)
