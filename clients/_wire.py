@@ -21,6 +21,7 @@ import asyncio
 import ipaddress
 import itertools
 import json
+import os
 import ssl as ssl_
 
 import numpy as np
@@ -92,6 +93,8 @@ class WireTransport:
         if not self._use_ring or len(body) < ring_layout.MIN_BODY or address in self._no_ring \
                 or not _on_this_host(address[0]):
             return None
+        if self._ring is not None and self._ring.pid != os.getpid():
+            self._ring = None  # a forked child: its parent's ring (and descriptor number) are not its own
         if self._ring is None:
             try:
                 self._ring = PushRing(self._ring_bytes) if self._ring_bytes else PushRing()

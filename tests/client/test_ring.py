@@ -153,15 +153,20 @@ def test_bodies_travel_through_the_ring_and_small_ones_inline(tmp_path):
             assert status == 200 and stand.calls[-1][3] == b"head" + big.tobytes()
             assert client.ring_requests == 1 and client.ring_bytes_sent == 4 + big.nbytes
             assert client._ring.in_use == 0, "the answered request's place was not freed"
+            parents = client._ring
+            parents.pid = 1  # as a forked child sees its parent's ring: it makes its own
+            await client.request(where, 1, "push", kc.Body([big]), timeout=5)
+            assert client._ring is not parents and client.ring_requests == 2
+            parents.close()
             await client.request(where, 1, "push", kc.Body([b"small"]), timeout=5)
-            assert client.ring_requests == 1 and stand.calls[-1][3] == b"small"
+            assert client.ring_requests == 2 and stand.calls[-1][3] == b"small"
             # more than the ring holds at once: the rest inline, all answered right
             bodies = [np.full(400_000, i, np.float32) for i in range(6)]
             answers = await asyncio.gather(*(client.request(where, 0, "push", kc.Body([b]), timeout=5)
                                              for b in bodies))
             assert all(s == 200 for s, _ in answers)
             assert sorted(c[3] for c in stand.calls[-6:]) == sorted(b.tobytes() for b in bodies)
-            assert client.ring_inline >= 1 and client.ring_requests >= 2
+            assert client.ring_inline >= 1 and client.ring_requests >= 3
         finally:
             await client.close()
             await server.close()
