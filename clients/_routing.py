@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from kvps.errors import Unavailable
 
-__all__ = ["ClusterMap", "is_loopback_url"]
+__all__ = ["ClusterMap", "is_loopback_host", "is_loopback_url"]
 
 
 @dataclass
@@ -71,10 +71,14 @@ def _wire_address(address: str, shard: int, data_url: str) -> tuple[str, int, in
 def is_loopback_url(url: str) -> bool:
     """``url``'s host is ``localhost`` or a loopback address (127.0.0.0/8, ::1). Cached: asked
     for every shard of every pull, and parsing an address costs ~15 µs."""
-    host = urlsplit(url).hostname or ""
+    return is_loopback_host(urlsplit(url).hostname or "")
+
+
+def is_loopback_host(host: str) -> bool:
+    """``host`` is ``localhost`` or a loopback address; a DNS name is not (it would need resolving)."""
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a DNS name: cannot tell without resolving it, so not loopback
+    except ValueError:
         return False

@@ -18,7 +18,6 @@ cannot read the ring answers ``RingUnavailable`` and gets that request, and ever
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import itertools
 import json
 import os
@@ -31,6 +30,7 @@ from kvps.delta import wire
 from kvps.errors import ConnectError
 
 from ._ring import Place, PushRing, supported
+from ._routing import is_loopback_host
 from ._transport import Body
 
 __all__ = ["WireTransport"]
@@ -91,7 +91,7 @@ class WireTransport:
     def _place(self, address: tuple[str, int, bool], body: Body | bytes) -> tuple[bytes, Place, PushRing] | None:
         """``body`` written into the push ring, if it goes that way: (descriptor, place, ring)."""
         if not self._use_ring or len(body) < ring_layout.MIN_BODY or address in self._no_ring \
-                or not _on_this_host(address[0]):
+                or not is_loopback_host(address[0]):
             return None
         if self._ring is not None and self._ring.pid != os.getpid():
             self._ring = None  # a forked child: its parent's ring (and descriptor number) are not its own
@@ -155,15 +155,6 @@ class WireTransport:
             raise error_from_response(status, bytes(answer))
         self._conns[address] = conn
         return conn
-
-
-def _on_this_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _error_name(answer: bytes | memoryview) -> str:

@@ -4,6 +4,7 @@ stand-in dispatch; ``tests/cluster/test_shm_pushes.py`` runs them in a real clus
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import mmap
 import os
@@ -141,13 +142,23 @@ def test_rings_that_are_not_the_senders_are_refused(push_ring, tmp_path):
         rings.close()
 
 
+@contextlib.asynccontextmanager
+async def _ring_stand(tmp_path, ring_bytes: int, **server_kw):
+    """A wire server with the echoing stand-in dispatch and a ring client on loopback:
+    ``(stand, server, client, where)``, both closed afterwards."""
+    stand = Stand()
+    server, port = await _server(tmp_path, stand, **server_kw)
+    client = WireTransport(TOKEN, ring=True, ring_bytes=ring_bytes)
+    try:
+        yield stand, server, client, ("127.0.0.1", port, False)
+    finally:
+        await client.close()
+        await server.close()
+
+
 def test_bodies_travel_through_the_ring_and_small_ones_inline(tmp_path):
     async def main():
-        stand = Stand()
-        server, port = await _server(tmp_path, stand, max_body=8 << 20)
-        client = WireTransport(TOKEN, ring=True, ring_bytes=4 << 20)
-        try:
-            where = ("127.0.0.1", port, False)
+        async with _ring_stand(tmp_path, 4 << 20, max_body=8 << 20) as (stand, server, client, where):
             big = np.arange(300_000, dtype=np.float32)
             status, data = await client.request(where, 1, "push", kc.Body([b"head", big]), timeout=5)
             assert status == 200 and stand.calls[-1][3] == b"head" + big.tobytes()
@@ -167,19 +178,12 @@ def test_bodies_travel_through_the_ring_and_small_ones_inline(tmp_path):
             assert all(s == 200 for s, _ in answers)
             assert sorted(c[3] for c in stand.calls[-6:]) == sorted(b.tobytes() for b in bodies)
             assert client.ring_inline >= 1 and client.ring_requests >= 3
-        finally:
-            await client.close()
-            await server.close()
     asyncio.run(main())
 
 
 def test_a_node_that_cannot_read_the_ring_gets_bodies_inline(tmp_path):
     async def main():
-        stand = Stand()
-        server, port = await _server(tmp_path, stand)
-        client = WireTransport(TOKEN, ring=True, ring_bytes=1 << 20)
-        try:
-            where = ("127.0.0.1", port, False)
+        async with _ring_stand(tmp_path, 1 << 20) as (stand, server, client, where):
             body = np.ones(100_000, np.float32)
             await client.request(where, 0, "push", kc.Body([body]), timeout=5)  # makes the ring
             client._ring._bytes[len(ring.MAGIC)] ^= 0xFF  # its nonce no longer matches
@@ -192,9 +196,6 @@ def test_a_node_that_cannot_read_the_ring_gets_bodies_inline(tmp_path):
             sent = client.ring_requests
             await client.request(where, 0, "push", kc.Body([body * 3]), timeout=5)
             assert client.ring_requests == sent and stand.calls[-1][3] == (body * 3).tobytes()
-        finally:
-            await client.close()
-            await server.close()
     asyncio.run(main())
 
 
@@ -202,11 +203,7 @@ def test_a_request_without_an_answer_gives_its_ring_up(tmp_path):
     """The node may still read a place whose request got no answer: the ring is never written
     again; the next body goes through a fresh one."""
     async def main():
-        stand = Stand()
-        server, port = await _server(tmp_path, stand)
-        client = WireTransport(TOKEN, ring=True, ring_bytes=1 << 20)
-        try:
-            where = ("127.0.0.1", port, False)
+        async with _ring_stand(tmp_path, 1 << 20) as (stand, server, client, where):
             body = np.ones(100_000, np.float32)
             with pytest.raises(kc.ConnectError):  # the "slow" op is held until released
                 await client.request(where, 0, "slow", kc.Body([body]), timeout=0.5)
@@ -215,7 +212,4 @@ def test_a_request_without_an_answer_gives_its_ring_up(tmp_path):
             status, _ = await client.request(where, 0, "push", kc.Body([body * 5]), timeout=5)
             assert status == 200 and stand.calls[-1][3] == (body * 5).tobytes()
             assert client._ring is not None and client.ring_requests == 2
-        finally:
-            await client.close()
-            await server.close()
     asyncio.run(main())
